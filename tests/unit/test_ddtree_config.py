@@ -1,0 +1,275 @@
+"""speculative_config={"method": "ddtree", ...} through vLLM's own config classes.
+
+Needs the patched vLLM (``./apply.sh``): the method is added by the patch
+``spec-decode_ddtree-config.patch`` and validated by ``vllm_ddtree.config``.
+"""
+
+import json
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+
+from vllm_ddtree.config import (  # noqa: E402
+    MAX_TREE_BUDGET,
+    DDTreeConfigError,
+    validate_ddtree_vllm_config,
+)
+
+VOCAB = 1024
+
+
+def _write_config(path, **fields):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(fields))
+    return str(path)
+
+
+def _qwen3_fields(**extra):
+    fields = dict(
+        model_type="qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+    fields.update(extra)
+    return fields
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = _write_config(
+        root / "target", architectures=["Qwen3ForCausalLM"], **_qwen3_fields()
+    )
+    drafter = _write_config(
+        root / "dflash",
+        architectures=["DFlashDraftModel"],
+        block_size=16,
+        dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
+        **_qwen3_fields(num_hidden_layers=1),
+    )
+    not_dflash = _write_config(
+        root / "plain", architectures=["Qwen3ForCausalLM"], **_qwen3_fields()
+    )
+    no_block = _write_config(
+        root / "dflash-noblock",
+        architectures=["DFlashDraftModel"],
+        dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
+        **_qwen3_fields(num_hidden_layers=1),
+    )
+    return dict(target=target, drafter=drafter, not_dflash=not_dflash, no_block=no_block)
+
+
+@pytest.fixture(scope="module")
+def target_config(model_dirs):
+    return ModelConfig(model=model_dirs["target"], skip_tokenizer_init=True)
+
+
+def _spec(target_config, model, **options):
+    return SpeculativeConfig(
+        method="ddtree",
+        model=model,
+        target_model_config=target_config,
+        target_parallel_config=ParallelConfig(),
+        **options,
+    )
+
+
+def test_valid_config_resolves_defaults(model_dirs, target_config):
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32)
+    assert spec.method == "ddtree"
+    assert spec.use_ddtree() and spec.use_dflash() and spec.use_eagle()
+    assert spec.ddtree_max_depth == 15  # block_size 16 - 1
+    assert spec.ddtree_top_k == 32  # min(budget, vocab)
+    assert spec.parallel_drafting
+    # The drafter is loaded as a DFlash drafter.
+    assert spec.draft_model_config.hf_config.architectures == ["DFlashDraftModel"]
+    # The drafter adds its block, not the tree budget, to the batch.
+    assert spec.max_num_new_slots_for_drafting == 14
+
+
+def test_explicit_depth_and_top_k(model_dirs, target_config):
+    spec = _spec(
+        target_config,
+        model_dirs["drafter"],
+        num_speculative_tokens=64,
+        ddtree_max_depth=6,
+        ddtree_top_k=4,
+    )
+    assert (spec.ddtree_max_depth, spec.ddtree_top_k) == (6, 4)
+    assert spec.max_num_new_slots_for_drafting == 5
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(num_speculative_tokens=MAX_TREE_BUDGET + 1), "tree budget"),
+        (dict(num_speculative_tokens=8, ddtree_max_depth=16), "ddtree_max_depth"),
+        (dict(num_speculative_tokens=8, ddtree_max_depth=0), "ddtree_max_depth"),
+        (dict(num_speculative_tokens=8, ddtree_top_k=9), "ddtree_top_k"),
+        (dict(num_speculative_tokens=8, ddtree_top_k=0), "ddtree_top_k"),
+        (
+            dict(num_speculative_tokens=8, rejection_sample_method="synthetic"),
+            "rejection_sample_method",
+        ),
+    ],
+)
+def test_bad_options_name_the_setting(model_dirs, target_config, options, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(target_config, model_dirs["drafter"], **options)
+
+
+def test_non_positive_budget_is_refused(model_dirs, target_config):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        _spec(target_config, model_dirs["drafter"], num_speculative_tokens=0)
+
+
+def test_drafter_must_be_dflash(model_dirs, target_config):
+    # pydantic wraps DDTreeConfigError (a ValueError) in its ValidationError.
+    with pytest.raises(ValueError, match="must be a DFlash drafter"):
+        _spec(target_config, model_dirs["not_dflash"], num_speculative_tokens=8)
+
+
+def test_drafter_without_block_size_needs_depth(model_dirs, target_config):
+    with pytest.raises(ValueError, match="no block_size"):
+        _spec(target_config, model_dirs["no_block"], num_speculative_tokens=8)
+    spec = _spec(
+        target_config,
+        model_dirs["no_block"],
+        num_speculative_tokens=8,
+        ddtree_max_depth=7,
+    )
+    assert spec.ddtree_max_depth == 7
+
+
+def test_drafter_is_required(target_config):
+    with pytest.raises(ValueError):
+        SpeculativeConfig(
+            method="ddtree",
+            num_speculative_tokens=8,
+            target_model_config=target_config,
+            target_parallel_config=ParallelConfig(),
+        )
+
+
+# --- engine-level checks (VllmConfig) ---------------------------------------------
+# VllmConfig itself cannot be built without a GPU platform; these checks run on
+# vLLM's real sub-configs with VllmConfig's own feature probe bound to them.
+
+
+def _engine_config(target_config, spec, **overrides):
+    parallel = overrides.pop("parallel_config", ParallelConfig())
+    scheduler = overrides.pop(
+        "scheduler_config",
+        SchedulerConfig(
+            max_model_len=target_config.max_model_len,
+            is_encoder_decoder=False,
+            max_num_batched_tokens=8192,
+        ),
+    )
+    cfg = types.SimpleNamespace(
+        model_config=target_config,
+        speculative_config=spec,
+        parallel_config=parallel,
+        scheduler_config=scheduler,
+        compilation_config=CompilationConfig(),
+        cache_config=CacheConfig(),
+        ec_transfer_config=None,
+        **overrides,
+    )
+    cfg._get_v2_model_runner_unsupported_features = types.MethodType(
+        VllmConfig._get_v2_model_runner_unsupported_features, cfg
+    )
+    return cfg
+
+
+@pytest.fixture
+def spec32(model_dirs, target_config):
+    return _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32)
+
+
+def test_engine_checks_pass_for_a_dense_qwen3_target(
+    target_config, spec32, monkeypatch
+):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
+def test_v1_runner_is_refused(target_config, spec32, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(DDTreeConfigError, match="V2 model runner"):
+        validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
+def test_pipeline_parallelism_is_refused(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(
+        target_config, spec32, parallel_config=ParallelConfig(pipeline_parallel_size=2)
+    )
+    with pytest.raises(DDTreeConfigError, match="pipeline parallelism"):
+        validate_ddtree_vllm_config(cfg)
+
+
+def test_features_that_force_the_v1_runner_are_refused(
+    target_config, spec32, monkeypatch
+):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(target_config, spec32)
+    cfg.cache_config.kv_sharing_fast_prefill = True
+    with pytest.raises(DDTreeConfigError, match="KV sharing fast prefill"):
+        validate_ddtree_vllm_config(cfg)
+
+
+def test_token_budget_must_hold_one_tree(target_config, model_dirs, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=256)
+    scheduler = SchedulerConfig(
+        max_model_len=target_config.max_model_len,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+    )
+    with pytest.raises(DDTreeConfigError, match="max_num_batched_tokens"):
+        validate_ddtree_vllm_config(
+            _engine_config(target_config, spec, scheduler_config=scheduler)
+        )
+
+
+def test_target_without_aux_hidden_states_is_refused(
+    tmp_path, spec32, monkeypatch
+):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    # GPT-2 does not implement SupportsEagle3, so it cannot feed a DFlash drafter.
+    gpt2 = _write_config(
+        tmp_path / "gpt2",
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=1024,
+    )
+    target = ModelConfig(model=gpt2, skip_tokenizer_init=True)
+    with pytest.raises(DDTreeConfigError, match="auxiliary hidden states"):
+        validate_ddtree_vllm_config(_engine_config(target, spec32))

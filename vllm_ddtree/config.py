@@ -1,0 +1,226 @@
+"""Validation and resolution of ``speculative_config={"method": "ddtree", ...}``.
+
+Two hooks in vLLM call into this module (patch ``spec-decode_ddtree-config``):
+
+* :func:`resolve_ddtree_options` from ``SpeculativeConfig.__post_init__``, once the
+  drafter's ``ModelConfig`` exists: checks the drafter and the tree options and fills
+  in the defaults (depth = drafter block size - 1, top-K = min(budget, vocab)).
+* :func:`validate_ddtree_vllm_config` from ``VllmConfig.__post_init__``: checks what
+  needs the whole engine configuration (model runner, parallelism, the target).
+
+Every failure raises :class:`DDTreeConfigError` (a ``ValueError``, so vLLM's
+argument parsing reports it like its own) with a message naming the setting.
+
+Options (fields of vLLM's ``SpeculativeConfig``):
+
+``num_speculative_tokens``
+    The tree budget B: draft nodes verified per request per step (the root, i.e. the
+    bonus token, comes on top). The scheduler reserves B + 1 slots per request.
+``ddtree_max_depth``
+    Deepest tree level, at most the drafter's block size - 1 (one DFlash pass predicts
+    that many positions). Default: block size - 1.
+``ddtree_top_k``
+    Candidates kept per drafted position before the best-first search. Default and
+    maximum useful value: min(B, vocabulary size).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+DDTREE_METHOD = "ddtree"
+
+# A tree wider than this per request cannot pay off: an H200 verification forward of
+# an 8B target already doubles in cost between 256 and 512 tokens, and the tree mask
+# of B+1 nodes grows as B^2 per request.
+MAX_TREE_BUDGET = 512
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTree setting that cannot work; the message names the setting."""
+
+
+def _hf_get(hf_config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(hf_config, name, None)
+    if value is None and hasattr(hf_config, "to_dict"):
+        value = hf_config.to_dict().get(name)
+    return default if value is None else value
+
+
+def is_dflash_drafter(hf_config: Any) -> bool:
+    """True when the drafter's HF config describes a DFlash (block diffusion) drafter."""
+    architectures = list(_hf_get(hf_config, "architectures", []) or [])
+    if any(arch.startswith("DFlash") or arch.endswith("DFlash") for arch in architectures):
+        return True
+    return bool(_hf_get(hf_config, "dflash_config"))
+
+
+def drafter_block_size(hf_config: Any) -> int | None:
+    """Tokens one DFlash pass handles (the bonus/anchor plus the masked positions)."""
+    for source in (hf_config, _hf_get(hf_config, "dflash_config", {}) or {}):
+        value = source.get("block_size") if isinstance(source, dict) else _hf_get(
+            source, "block_size"
+        )
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DDTreeConfigError(
+            f"ddtree: {name} must be an integer, got {value!r} ({type(value).__name__})."
+        )
+    if not low <= value <= high:
+        raise DDTreeConfigError(
+            f"ddtree: {name}={value} is out of range; it must be between {low} and {high}."
+        )
+    return value
+
+
+def resolve_ddtree_options(spec_config: Any) -> None:
+    """Check a ``method="ddtree"`` SpeculativeConfig and fill in its defaults in place.
+
+    ``spec_config`` is vLLM's ``SpeculativeConfig`` after its drafter ``ModelConfig``
+    (``draft_model_config``) has been built.
+    """
+    draft_model_config = getattr(spec_config, "draft_model_config", None)
+    if getattr(spec_config, "model", None) is None or draft_model_config is None:
+        raise DDTreeConfigError(
+            "ddtree: speculative_config needs 'model', the path of a DFlash drafter."
+        )
+    hf_config = draft_model_config.hf_config
+    if not is_dflash_drafter(hf_config):
+        architectures = _hf_get(hf_config, "architectures", [])
+        raise DDTreeConfigError(
+            "ddtree: the drafter must be a DFlash drafter (architecture "
+            f"'DFlashDraftModel' with a dflash_config); {spec_config.model!r} has "
+            f"architectures {architectures}."
+        )
+
+    budget = spec_config.num_speculative_tokens
+    if budget is None:
+        raise DDTreeConfigError(
+            "ddtree: num_speculative_tokens (the tree budget: draft nodes verified per "
+            "request per step) must be given."
+        )
+    _check_int("num_speculative_tokens (tree budget)", budget, 1, MAX_TREE_BUDGET)
+
+    block_size = drafter_block_size(hf_config)
+    depth = getattr(spec_config, "ddtree_max_depth", None)
+    if depth is None:
+        if block_size is None:
+            raise DDTreeConfigError(
+                "ddtree: the drafter's config has no block_size; set ddtree_max_depth "
+                "(positions the drafter predicts per pass)."
+            )
+        depth = block_size - 1
+    max_depth = block_size - 1 if block_size is not None else depth
+    _check_int("ddtree_max_depth", depth, 1, max(1, max_depth))
+
+    vocab_size = int(_hf_get(hf_config, "vocab_size", 0) or 0)
+    if vocab_size <= 0:
+        target = getattr(spec_config, "target_model_config", None)
+        vocab_size = target.get_vocab_size() if target is not None else budget
+    top_k = getattr(spec_config, "ddtree_top_k", None)
+    if top_k is None:
+        top_k = min(budget, vocab_size)
+    _check_int("ddtree_top_k", top_k, 1, min(budget, vocab_size))
+
+    rejection = getattr(spec_config, "rejection_sample_method", "standard")
+    if rejection not in (None, "standard"):
+        raise DDTreeConfigError(
+            f"ddtree: rejection_sample_method={rejection!r} is not supported; DDTree "
+            "verifies by walking the tree with the target's own samples (leave it "
+            "'standard')."
+        )
+    if getattr(spec_config, "num_speculative_tokens_per_batch_size", None) is not None:
+        raise DDTreeConfigError(
+            "ddtree: num_speculative_tokens_per_batch_size is not supported; the tree "
+            "budget is num_speculative_tokens."
+        )
+
+    spec_config.ddtree_max_depth = depth
+    spec_config.ddtree_top_k = top_k
+
+
+def _v2_runner_refused_by_env() -> bool:
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    return value is not None and value.strip().lower() in ("0", "false", "no", "off")
+
+
+def _target_supports_aux_hidden_states(model_config: Any) -> bool | None:
+    """Whether the target model class returns auxiliary hidden states (the EAGLE-3
+    interface DFlash drafters read). None when the class cannot be resolved here."""
+    try:
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        model_cls, _ = ModelRegistry.resolve_model_cls(
+            model_config.architectures, model_config=model_config
+        )
+    except Exception:  # unknown or custom architecture: the runner checks again
+        return None
+    return bool(supports_eagle3(model_cls))
+
+
+def validate_ddtree_vllm_config(vllm_config: Any) -> None:
+    """Checks that need the whole engine configuration; raises DDTreeConfigError."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != DDTREE_METHOD:
+        return
+
+    if _v2_runner_refused_by_env():
+        raise DDTreeConfigError(
+            "ddtree runs only on vLLM's V2 model runner, but VLLM_USE_V2_MODEL_RUNNER "
+            "turns it off; unset it or set it to 1."
+        )
+    unsupported = vllm_config._get_v2_model_runner_unsupported_features()
+    if unsupported:
+        raise DDTreeConfigError(
+            "ddtree runs only on vLLM's V2 model runner, which does not support: "
+            + ", ".join(unsupported)
+        )
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise DDTreeConfigError(
+            "ddtree does not support pipeline parallelism yet "
+            f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); use tensor "
+            "parallelism."
+        )
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        raise DDTreeConfigError("ddtree does not support decode context parallelism.")
+
+    model_config = vllm_config.model_config
+    if model_config is not None:
+        if getattr(model_config, "is_hybrid", False) or getattr(
+            model_config, "is_attention_free", False
+        ):
+            raise DDTreeConfigError(
+                "ddtree needs a target whose every layer is attention (tree "
+                "verification masks attention); hybrid or attention-free targets such "
+                f"as {model_config.architectures} are not supported."
+            )
+        if _target_supports_aux_hidden_states(model_config) is False:
+            raise DDTreeConfigError(
+                "ddtree needs a target that returns auxiliary hidden states for the "
+                f"DFlash drafter; {model_config.architectures} does not implement "
+                "vLLM's SupportsEagle3 interface."
+            )
+        max_model_len = getattr(model_config, "max_model_len", None)
+        if max_model_len is not None and spec.ddtree_max_depth + 2 > max_model_len:
+            raise DDTreeConfigError(
+                f"ddtree: max_model_len={max_model_len} is too short for trees of "
+                f"depth {spec.ddtree_max_depth}."
+            )
+
+    scheduler = vllm_config.scheduler_config
+    tokens_per_request = spec.num_speculative_tokens + 1
+    if scheduler is not None and scheduler.max_num_batched_tokens < tokens_per_request:
+        raise DDTreeConfigError(
+            f"ddtree: max_num_batched_tokens={scheduler.max_num_batched_tokens} cannot "
+            f"hold one request's tree ({tokens_per_request} tokens = budget + root); "
+            "raise it or lower num_speculative_tokens."
+        )
