@@ -216,6 +216,8 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
                 f"depth {spec.ddtree_max_depth}."
             )
 
+    _select_tree_attention_backend(vllm_config)
+
     scheduler = vllm_config.scheduler_config
     tokens_per_request = spec.num_speculative_tokens + 1
     if scheduler is not None and scheduler.max_num_batched_tokens < tokens_per_request:
@@ -223,4 +225,26 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
             f"ddtree: max_num_batched_tokens={scheduler.max_num_batched_tokens} cannot "
             f"hold one request's tree ({tokens_per_request} tokens = budget + root); "
             "raise it or lower num_speculative_tokens."
+        )
+
+
+TREE_ATTENTION_BACKEND = "TRITON_ATTN"
+
+
+def _select_tree_attention_backend(vllm_config: Any) -> None:
+    """Tree verification needs the per-request tree bias of the patched Triton
+    unified attention; pick that backend unless the user chose another one."""
+    attention_config = getattr(vllm_config, "attention_config", None)
+    if attention_config is None:
+        return
+    chosen = attention_config.backend
+    if chosen is None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        attention_config.backend = AttentionBackendEnum[TREE_ATTENTION_BACKEND]
+    elif getattr(chosen, "name", str(chosen)) != TREE_ATTENTION_BACKEND:
+        raise DDTreeConfigError(
+            f"ddtree verifies trees with the {TREE_ATTENTION_BACKEND} attention backend "
+            f"(per-request tree masks); attention backend {chosen.name} cannot apply "
+            "them. Leave the backend unset or choose TRITON_ATTN."
         )

@@ -1,16 +1,380 @@
 """DDTree speculator for vLLM's V2 model runner (``vllm/v1/worker/gpu``).
 
-The hook in ``vllm/v1/worker/gpu/spec_decode/__init__.py`` (patch
-``spec-decode_ddtree-config``) constructs :class:`DDTreeSpeculator` for
-``method="ddtree"``. Until tree drafting, tree verification and KV compaction are
-wired into the runner, a valid DDTree configuration stops here with a plain error
-instead of silently running the DFlash chain.
+One step, for every request of a batch, all on the GPU and without host syncs:
+
+1. Verification (target forward). The scheduler sees B draft tokens per request; the
+   runner lays out ``[root, node 1 .. node B]`` at consecutive KV slots as usual.
+   :meth:`DDTreeSpeculator.prepare_tree_verification` (runner hook, after the slot
+   mapping is computed from the linear positions) rewrites the model's positions to
+   ``start + depth`` and writes each request's ancestor-only bias into the persistent
+   buffer that the patched TRITON_ATTN backend reads.
+2. Sampling. :class:`DDTreeSampler` replaces the chain rejection sampler: one target
+   sample per node with vLLM's own sampler (argmax at T=0; at T>0 Gumbel noise keyed
+   by seed and position = start + depth), then the tree walk
+   (:func:`vllm_ddtree.tree_walk.walk_tree`). Output rows are the accepted path plus
+   the bonus token, in the runner's format, so the scheduler's bookkeeping
+   (``num_computed_tokens -= num_rejected``) is unchanged.
+3. Compaction + drafting (:meth:`DDTreeSpeculator.propose`). The accepted nodes' KV
+   moves to slots ``start + j`` in every target layer, the fused hidden states and
+   positions are compacted/restored the same way, and the DFlash drafter runs on the
+   accepted path. Its per-position logits go to the best-first tree builder
+   (:func:`vllm_ddtree.tree_builder.build_trees`), whose tokens become next step's
+   draft tokens; parents and depths are kept per request state.
 """
 
+from __future__ import annotations
 
-class DDTreeSpeculator:
-    def __init__(self, vllm_config, device):
-        raise NotImplementedError(
-            "DDTree speculative decoding (method='ddtree') is not implemented yet in "
-            "this vllm-ddtree build; use method='dflash' for the DFlash chain."
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.sampler import Sampler
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.kv_compaction import compact_paged_kv_
+from vllm_ddtree.tree_attention import (
+    allocate_tree_attn_bias,
+    register_tree_attn_bias,
+    write_tree_attn_bias,
+)
+from vllm_ddtree.tree_builder import build_trees, empty_tree
+from vllm_ddtree.tree_walk import walk_tree
+
+logger = init_logger(__name__)
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        # DraftModelSpeculator sizes draft_tokens by num_speculative_tokens = B, the
+        # tree budget, which is what the runner schedules and stores per request.
+        super().__init__(vllm_config, device)
+        spec = vllm_config.speculative_config
+        self.tree_budget: int = spec.num_speculative_tokens
+        self.tree_depth: int = spec.ddtree_max_depth
+        self.tree_top_k: int = spec.ddtree_top_k
+        self.num_tree_nodes = self.tree_budget + 1
+
+        # The drafter itself predicts `tree_depth` positions per pass.
+        self.num_speculative_steps = self.tree_depth
+        self.num_query_per_req = 1 + self.tree_depth
+        max_num_sampled = self.max_num_reqs * self.tree_depth
+        self.sample_indices = torch.zeros(max_num_sampled, dtype=torch.int64, device=device)
+        self.sample_pos = torch.zeros(max_num_sampled, dtype=torch.int64, device=device)
+        self.sample_idx_mapping = torch.zeros(
+            max_num_sampled, dtype=torch.int32, device=device
+        )
+        self.sample_col = torch.arange(
+            self.tree_depth, dtype=torch.int32, device=device
+        ).repeat(self.max_num_reqs)
+        # The tree is built from the drafter's logits, not from sampled drafts.
+        self.draft_logits = None
+
+        # This step's trees, in batch order (written inside the drafter graph).
+        self.trees = empty_tree(self.max_num_reqs, self.tree_budget, device)
+        # The same trees by request state, read at the next verification.
+        shape = (self.max_num_reqs, self.num_tree_nodes)
+        self.parents_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.depths_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.valid_by_state = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.tokens_by_state = torch.zeros(shape, dtype=torch.int64, device=device)
+
+        # Per-request ancestor-only bias read by the patched TRITON_ATTN backend.
+        self.tree_attn_bias = allocate_tree_attn_bias(
+            self.max_num_reqs, self.num_tree_nodes, device
+        )
+        # Filled by the sampler, consumed by propose() in the same step.
+        self.accepted_nodes = torch.zeros(
+            (self.max_num_reqs, self.tree_depth + 1), dtype=torch.int64, device=device
+        )
+        self.num_accepted = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=device)
+        self._verified_rows: torch.Tensor | None = None
+        self._linear_positions: torch.Tensor | None = None
+        self._pending_compaction = False
+        self._target_kv_caches: list[torch.Tensor] = []
+        self._target_layer_name: str | None = None
+        self._kv_block_size = 0
+        logger.info(
+            "DDTree: budget %d nodes, depth %d, top-k %d per position",
+            self.tree_budget,
+            self.tree_depth,
+            self.tree_top_k,
+        )
+
+    # ----------------------------------------------------------------- set-up
+
+    def set_attn(
+        self,
+        model_state,
+        kv_cache_config,
+        block_tables,
+        target_input_buffers,
+        target_attn_groups,
+    ) -> None:
+        super().set_attn(
+            model_state,
+            kv_cache_config,
+            block_tables,
+            target_input_buffers,
+            target_attn_groups,
+        )
+        self.target_input_buffers = target_input_buffers
+        register_tree_attn_bias(target_attn_groups, self.tree_attn_bias)
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        names: list[str] = []
+        for groups in target_attn_groups:
+            for group in groups:
+                names.extend(group.layer_names)
+        self._target_kv_caches = []
+        for name in names:
+            kv_cache = forward_context[name].kv_cache
+            if isinstance(kv_cache, (list, tuple)):
+                kv_cache = kv_cache[0]
+            self._target_kv_caches.append(kv_cache)
+        self._target_layer_name = names[0]
+        self._kv_block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    def make_tree_sampler(self, sampler: Sampler) -> DDTreeSampler:
+        return DDTreeSampler(sampler, self)
+
+    # ------------------------------------------------------------ verification
+
+    def prepare_tree_verification(self, input_batch: InputBatch) -> None:
+        """Runner hook before the target forward: depth positions and tree masks."""
+        num_reqs = input_batch.num_reqs
+        idx_mapping = input_batch.idx_mapping
+        cu = input_batch.cu_num_logits
+        has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
+        write_tree_attn_bias(
+            self.tree_attn_bias, self.parents_by_state[idx_mapping], has_tree
+        )
+        if input_batch.num_draft_tokens == 0:
+            self._verified_rows = None
+            return
+        # Logit rows of tree requests are exactly their tokens: root + drafts.
+        rows = input_batch.logits_indices
+        local = input_batch.expanded_local_pos.to(torch.int64)
+        depth = self.depths_by_state[input_batch.expanded_idx_mapping, local]
+        positions = input_batch.positions
+        self._linear_positions = positions[rows].clone()
+        root_position = positions[rows - local]
+        positions[rows] = root_position + depth.to(positions.dtype)
+        self._verified_rows = rows
+
+    def record_walk(self, input_batch: InputBatch, accepted_nodes, num_accepted) -> None:
+        num_reqs = input_batch.num_reqs
+        self.accepted_nodes[:num_reqs] = accepted_nodes
+        self.num_accepted[:num_reqs] = num_accepted
+        self._pending_compaction = self._verified_rows is not None
+
+    # ------------------------------------------------ compaction and drafting
+
+    def _compact_accepted_path(
+        self,
+        input_batch: InputBatch,
+        slot_mappings: dict[str, torch.Tensor],
+        hidden_states: torch.Tensor,
+    ) -> None:
+        num_reqs = input_batch.num_reqs
+        rows = self._verified_rows
+        assert rows is not None and self._linear_positions is not None
+        # Positions back to linear: row start + j holds the depth-j node after the
+        # copy below, whose position is start + j.
+        input_batch.positions[rows] = self._linear_positions
+        accepted = self.accepted_nodes[:num_reqs]  # [R, D+1], -1 padded
+        start = input_batch.query_start_loc[:num_reqs].to(torch.int64)[:, None]
+        j = torch.arange(accepted.shape[1], device=accepted.device)[None, :]
+        on_path = (accepted >= 0) & (j <= self.num_accepted[:num_reqs, None])
+        src_rows = torch.where(on_path, start + accepted, -1).flatten()
+        dst_rows = torch.where(on_path, start + j, -1).flatten()
+        moves = on_path.flatten() & (src_rows != dst_rows)
+        src_rows = torch.where(moves, src_rows, -1)
+        dst_rows = torch.where(moves, dst_rows, -1)
+        # Hidden states feeding the drafter: gather then scatter (safe in place).
+        safe_src = src_rows.clamp(min=0)
+        safe_dst = torch.where(moves, dst_rows, hidden_states.shape[0])
+        padded = torch.cat([hidden_states, hidden_states[:1]], dim=0)
+        padded[safe_dst] = hidden_states[safe_src]
+        hidden_states.copy_(padded[:-1])
+        # KV of every target attention layer.
+        slot_mapping = slot_mappings[self._target_layer_name]
+        src_slots = torch.where(moves, slot_mapping[safe_src], -1)
+        dst_slots = torch.where(moves, slot_mapping[dst_rows.clamp(min=0)], -1)
+        for kv_cache in self._target_kv_caches:
+            compact_paged_kv_(kv_cache, src_slots, dst_slots, self._kv_block_size)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: InputBatch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs=None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
+        num_tokens = input_batch.num_tokens
+        if aux_hidden_states:
+            hidden_states = self.model.combine_hidden_states(
+                torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+            )
+        else:
+            hidden_states = last_hidden_states[:num_tokens].clone()
+        if self._pending_compaction and not dummy_run:
+            self._compact_accepted_path(input_batch, slot_mappings, hidden_states)
+        self._pending_compaction = False
+        self._verified_rows = None
+
+        draft_tokens = super().propose(
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            hidden_states,
+            None,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill_tokens,
+            temperature,
+            seeds,
+            num_tokens_across_dp=num_tokens_across_dp,
+            dummy_run=dummy_run,
+            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+            mm_inputs=mm_inputs,
+            is_profile=is_profile,
+        )
+        if not dummy_run:
+            num_reqs = input_batch.num_reqs
+            idx_mapping = input_batch.idx_mapping
+            self.parents_by_state[idx_mapping] = self.trees.node_parents[:num_reqs]
+            self.depths_by_state[idx_mapping] = self.trees.node_depths[:num_reqs]
+            self.valid_by_state[idx_mapping] = self.trees.node_valid[:num_reqs]
+            self.tokens_by_state[idx_mapping] = self.trees.node_tokens[:num_reqs]
+        return draft_tokens
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        last_hidden_states = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        num_sample = num_reqs * self.tree_depth
+        sample_hidden_states = last_hidden_states[self.sample_indices[:num_sample]]
+        draft_logits = self.model.compute_logits(sample_hidden_states)
+        trees = build_trees(
+            draft_logits.view(num_reqs, self.tree_depth, -1),
+            self.tree_budget,
+            self.tree_top_k,
+            out=type(self.trees)(*(t[:num_reqs] for t in self.trees)),
+        )
+        self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]
+
+
+class DDTreeSampler:
+    """Replaces the chain rejection sampler: one target sample per tree node, then
+    the walk down the tree. Lossless: see :mod:`vllm_ddtree.tree_walk`."""
+
+    def __init__(self, sampler: Sampler, speculator: DDTreeSpeculator):
+        self.sampler = sampler
+        self.speculator = speculator
+        self.num_tree_nodes = speculator.num_tree_nodes
+        self.tree_depth = speculator.tree_depth
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        draft_logits: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        sampler = self.sampler
+        num_nans = get_num_nans(logits) if sampler.compute_nans else None
+        if sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) != (
+            NO_LOGPROBS
+        ):
+            raise ValueError("ddtree: sample logprobs are not supported yet")
+        # pos = start + depth for tree rows (set by prepare_tree_verification), so
+        # seeded Gumbel noise is keyed exactly as without speculation.
+        pos = input_batch.positions[input_batch.logits_indices]
+        input_ids = input_batch.input_ids[input_batch.logits_indices]
+        node_samples, _ = sampler.sample(
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            pos,
+            input_ids,
+            input_batch.expanded_local_pos,
+        )
+
+        num_reqs = input_batch.num_reqs
+        device = logits.device
+        cu = input_batch.cu_num_logits
+        num_logits = logits.shape[0]
+        logit_req = torch.searchsorted(
+            cu[1 : num_reqs + 1],
+            torch.arange(num_logits, device=device, dtype=cu.dtype),
+            right=True,
+        )
+        local = input_batch.expanded_local_pos.to(torch.int64)
+        target_tokens = torch.zeros(
+            (num_reqs, self.num_tree_nodes), dtype=torch.int64, device=device
+        )
+        target_tokens[logit_req, local] = node_samples.to(torch.int64)
+
+        spec = self.speculator
+        idx_mapping = input_batch.idx_mapping
+        num_nodes = (cu[1 : num_reqs + 1] - cu[:num_reqs]).to(torch.int64)
+        node_index = torch.arange(self.num_tree_nodes, device=device)[None, :]
+        # Nodes the scheduler did not schedule (drafts cut near max_model_len or by
+        # the token budget) and requests without a tree are never accepted.
+        valid = spec.valid_by_state[idx_mapping] & (node_index < num_nodes[:, None])
+        walk = walk_tree(
+            spec.tokens_by_state[idx_mapping],
+            spec.parents_by_state[idx_mapping],
+            valid,
+            target_tokens,
+            self.tree_depth,
+        )
+        spec.record_walk(input_batch, walk.accepted_nodes, walk.num_accepted)
+
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            walk.num_output.to(torch.int32),
+            input_batch.seq_lens,
+            cu,
+            idx_mapping,
+            sampler.req_states.prefill_len.gpu,
+        )
+        return SamplerOutput(
+            sampled_token_ids=walk.output_tokens,
+            logprobs_tensors=None,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
         )

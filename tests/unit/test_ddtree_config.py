@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 from vllm.config import (  # noqa: E402
+    AttentionConfig,
     CacheConfig,
     CompilationConfig,
     ModelConfig,
@@ -194,6 +195,7 @@ def _engine_config(target_config, spec, **overrides):
         scheduler_config=scheduler,
         compilation_config=CompilationConfig(),
         cache_config=CacheConfig(),
+        attention_config=overrides.pop("attention_config", AttentionConfig()),
         ec_transfer_config=None,
         **overrides,
     )
@@ -213,6 +215,22 @@ def test_engine_checks_pass_for_a_dense_qwen3_target(
 ):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
+def test_tree_attention_backend_is_selected(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(target_config, spec32)
+    validate_ddtree_vllm_config(cfg)
+    assert cfg.attention_config.backend.name == "TRITON_ATTN"
+
+
+def test_other_attention_backend_is_refused(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(
+        target_config, spec32, attention_config=AttentionConfig(backend="FLASH_ATTN")
+    )
+    with pytest.raises(DDTreeConfigError, match="FLASH_ATTN"):
+        validate_ddtree_vllm_config(cfg)
 
 
 def test_v1_runner_is_refused(target_config, spec32, monkeypatch):

@@ -1,0 +1,235 @@
+"""GPU-host checks of the patched vLLM: series smoke, DDTree greedy equivalence, tau.
+
+Run on the GPU host (vLLM on PYTHONPATH, the series applied with apply.sh --site):
+
+    python bench/gpu_checks.py smoke  --out $OUT/smoke.json
+    python bench/gpu_checks.py equiv  --out $OUT/equiv.json [--target DIR --drafter DIR]
+
+``smoke``: a tiny random Qwen3 target with a random DFlash drafter (dummy weights,
+no tokenizer) generates with method "dflash"; vllm.ddtree_series must be set.
+``equiv``: greedy DDTree output must equal greedy output without speculation, same
+engine settings and prompts, eager and with CUDA graphs, batch 1 and 16; records the
+acceptance statistics. Without --target it uses tiny random models (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _qwen3(**extra):
+    cfg = dict(
+        model_type="qwen3",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+        hidden_act="silu",
+    )
+    cfg.update(extra)
+    return cfg
+
+
+def make_tiny_models(root: str) -> tuple[str, str]:
+    target = os.path.join(root, "tiny-qwen3")
+    drafter = os.path.join(root, "tiny-dflash")
+    os.makedirs(target, exist_ok=True)
+    os.makedirs(drafter, exist_ok=True)
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(dict(architectures=["Qwen3ForCausalLM"], **_qwen3()), f)
+    with open(os.path.join(drafter, "config.json"), "w") as f:
+        json.dump(
+            dict(
+                architectures=["DFlashDraftModel"],
+                block_size=16,
+                dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
+                **_qwen3(num_hidden_layers=1),
+            ),
+            f,
+        )
+    return target, drafter
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(rng.randrange(8, 48))]}
+        for _ in range(n)
+    ]
+
+
+def _engine(target, spec, eager, dummy, dtype, **kw):
+    from vllm import LLM
+
+    return LLM(
+        model=target,
+        speculative_config=spec,
+        enforce_eager=eager,
+        load_format="dummy" if dummy else "auto",
+        skip_tokenizer_init=dummy,
+        dtype=dtype,
+        gpu_memory_utilization=0.35,
+        max_model_len=2048,
+        seed=0,
+        **kw,
+    )
+
+
+def _free(llm):
+    import torch
+
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_smoke(args) -> dict:
+    import vllm
+    from vllm import SamplingParams
+
+    target, drafter = make_tiny_models(tempfile.mkdtemp())
+    t = time.time()
+    llm = _engine(
+        target,
+        dict(method="dflash", model=drafter, num_speculative_tokens=15),
+        eager=True,
+        dummy=True,
+        dtype="bfloat16",
+    )
+    outs = llm.generate(_prompts(4), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    result = dict(
+        mode="smoke",
+        method="dflash",
+        init_plus_generate_s=round(time.time() - t, 1),
+        num_outputs=len(outs),
+        output_lengths=[len(o.outputs[0].token_ids) for o in outs],
+        ddtree_series=vllm.ddtree_series,
+        vllm_version=vllm.__version__,
+    )
+    _free(llm)
+    return result
+
+
+def _greedy(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.time()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.time() - t
+
+
+def _spec_stats(llm) -> dict:
+    stats = {}
+    try:
+        for metric in llm.get_metrics():
+            if "spec_decode" in metric.name:
+                value = getattr(metric, "value", None)
+                if value is None:
+                    value = getattr(metric, "values", None)
+                stats[metric.name] = value
+    except Exception as exc:  # metrics are informative only
+        stats["error"] = repr(exc)
+    return stats
+
+
+def run_equiv(args) -> dict:
+    dummy = args.target is None
+    if dummy:
+        target, drafter = make_tiny_models(tempfile.mkdtemp())
+    else:
+        target, drafter = args.target, args.drafter
+    prompts_file = args.prompts
+    if prompts_file:
+        with open(prompts_file) as f:
+            prompts = [json.loads(line) for line in f][: args.num_prompts]
+        prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "prompt_token_ids" in p else p["prompt"] for p in prompts]
+    else:
+        prompts = _prompts(args.num_prompts)
+    results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, runs=[])
+    for eager in args.eager_modes:
+        base = _engine(target, None, eager, dummy, args.dtype)
+        ref = {}
+        for bs in args.batch_sizes:
+            ref[bs], base_s = _greedy(base, prompts[:bs], args.max_tokens)
+            results["runs"].append(dict(config="no-spec", eager=eager, batch=bs, seconds=round(base_s, 3)))
+        _free(base)
+        for method, budget in [("dflash", 15)] + [("ddtree", b) for b in args.budgets]:
+            spec = dict(method=method, model=drafter, num_speculative_tokens=budget)
+            llm = _engine(target, spec, eager, dummy, args.dtype)
+            for bs in args.batch_sizes:
+                out, secs = _greedy(llm, prompts[:bs], args.max_tokens)
+                same = sum(a == b for a, b in zip(out, ref[bs]))
+                first_diff = next(
+                    (
+                        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                        for a, b in zip(out, ref[bs])
+                        if a != b
+                    ),
+                    None,
+                )
+                results["runs"].append(
+                    dict(
+                        config=f"{method}-{budget}",
+                        eager=eager,
+                        batch=bs,
+                        seconds=round(secs, 3),
+                        identical_outputs=same,
+                        num_outputs=len(out),
+                        first_difference_at=first_diff,
+                    )
+                )
+                print(json.dumps(results["runs"][-1]), flush=True)
+            results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
+            _free(llm)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["smoke", "equiv"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--target")
+    parser.add_argument("--drafter")
+    parser.add_argument("--prompts")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[32])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument(
+        "--eager-modes", type=lambda s: s.lower() == "eager", nargs="+", default=[True]
+    )
+    args = parser.parse_args()
+    result = run_smoke(args) if args.mode == "smoke" else run_equiv(args)
+    result["command"] = " ".join(sys.argv)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    print(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
