@@ -39,6 +39,7 @@ import torch
 __all__ = [
     "allocate_tree_attn_bias",
     "check_tree_parents",
+    "reference_context_attention",
     "reference_paged_attention",
     "register_tree_attn_bias",
     "tree_ancestor_mask",
@@ -266,3 +267,36 @@ def reference_paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def reference_context_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of each sequence's queries over its first
+    ``context_lens[s]`` cached keys, with the log-sum-exp: the stand-in for
+    the FA3 context call of route 2 (``return_softmax_lse=True``). Returns
+    ``(out [T, Hq, D], lse [Hq, T])``; no context gives out 0, lse -inf."""
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    lse = torch.full((num_q_heads, query.shape[0]), float("-inf"))
+    for s in range(len(context_lens)):
+        q0, q1, ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(context_lens[s])
+        if q1 == q0 or ctx == 0:
+            continue
+        pos = torch.arange(ctx)
+        blocks = block_table[s, pos // block_size].long().cpu()
+        k = key_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        v = value_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[q0:q1].double(), k) * scale
+        lse[:, q0:q1] = torch.logsumexp(scores, dim=-1).float()
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out, lse

@@ -236,13 +236,13 @@ def _tol(results, name):
     return TOLERANCE[results["device"]][name.rsplit("_", 1)[1]]
 
 
-@pytest.mark.parametrize("prefix", ["mixed_tree", "uniform_trees"])
+@pytest.mark.parametrize("prefix", ["mixed_tree", "uniform_trees", "route2_tree"])
 def test_kernel_matches_tree_reference(kernel_results, prefix):
     for name, case in _cases(kernel_results, prefix).items():
         assert case["err"] <= _tol(kernel_results, name), (name, case, kernel_results["source"])
 
 
-@pytest.mark.parametrize("prefix", ["mixed_tree", "uniform_trees"])
+@pytest.mark.parametrize("prefix", ["mixed_tree", "uniform_trees", "route2_tree"])
 def test_causal_mask_would_fail_the_comparison(kernel_results, prefix):
     """Guard: the trees differ from causal enough that a kernel ignoring the
     bias (or a reference using the wrong mask) fails the check above."""

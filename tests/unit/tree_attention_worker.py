@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 from vllm_ddtree.tree_attention import (  # noqa: E402
     allocate_tree_attn_bias,
     check_tree_parents,
+    reference_context_attention,
     reference_paged_attention,
     tree_ancestor_mask,
     write_tree_attn_bias,
@@ -296,7 +297,44 @@ def main(device: str, patch_path: str) -> dict:
         singles = build_batch([(70, 1, None), (3, 1, None), (129, 1, None)], gen, dtype)
         out = run_kernel(ua, singles, device, tree_bias_for(singles, device), use_3d_buffers=True)
         cases[f"decode_3d_{tag}"] = dict(err=err(out, reference(singles, [None] * 3)))
+
+        # Route 2 prototype: context part (torch stand-in for FA3) + the
+        # Triton tree-token kernel, merged by LSE.
+        live_reqs = [r for r in uniform["requests"] if r[1] > 0]
+        cases[f"route2_tree_{tag}"] = run_route2(uniform, live_reqs, device)
     return results
+
+
+def run_route2(batch, live_reqs, device):
+    from vllm_ddtree.tree_attention_triton import merge_by_lse, tree_token_attention
+
+    num = len(live_reqs)
+    qsl = batch["query_start_loc"][: num + 1]
+    live = qsl[-1]
+    ctx_lens = [c for c, _, _ in live_reqs]
+    q = batch["query"][:live]
+    ctx_out, ctx_lse = reference_context_attention(
+        q.float(), batch["k_cache"].float(), batch["v_cache"].float(),
+        batch["block_table"], ctx_lens, qsl, HEAD_SIZE**-0.5,
+    )
+    # The tree tokens' fresh K/V (what this forward writes to the cache).
+    ks, vs = [], []
+    for s, (c, n, _) in enumerate(live_reqs):
+        pos = torch.arange(c, c + n)
+        blk = batch["block_table"][s, pos // BLOCK_SIZE].long()
+        ks.append(batch["k_cache"][blk, pos % BLOCK_SIZE])
+        vs.append(batch["v_cache"][blk, pos % BLOCK_SIZE])
+    k_new, v_new = torch.cat(ks), torch.cat(vs)
+    bias = allocate_tree_attn_bias(num + 2, TREE_NODES, device)
+    parents = torch.stack([p for _, _, p in live_reqs]).to(device)
+    write_tree_attn_bias(bias, parents)
+    tree_out, tree_lse = tree_token_attention(
+        q.to(device), k_new.to(device), v_new.to(device), bias, HEAD_SIZE**-0.5
+    )
+    merged = merge_by_lse(ctx_out, ctx_lse, tree_out.cpu().float(), tree_lse.cpu())
+    want = reference(batch, batch["tree_masks"])[:live]
+    causal = reference(batch, [None] * len(batch["requests"]))[:live]
+    return dict(err=err(merged, want), err_if_causal=err(merged, causal))
 
 
 if __name__ == "__main__":
