@@ -1,0 +1,302 @@
+"""Tree attention for DDTree verification: masks, the per-request bias, a reference.
+
+The target verifies every request's tree of B+1 nodes (node 0 = root, parents
+before children) in one forward. The nodes of request r occupy the linear KV
+slots ``start_r .. start_r + B`` right after its committed context; node i may
+attend the whole context ``[0, start_r)``, its ancestors and itself. Causal
+masking over the linear layout is a superset of that (a parent always has a
+smaller index), so the Triton unified attention kernel, patched by
+``patches/attention_triton-per-request-tree-bias.patch``, adds a per-request
+query-query bias (0 for ancestor-or-self, -inf otherwise) on top of it.
+
+What lives here (pure torch, no host sync, usable inside CUDA graphs):
+
+* :func:`tree_ancestor_mask`: ``node_parents`` -> boolean ancestor-or-self mask.
+* :func:`allocate_tree_attn_bias` / :func:`write_tree_attn_bias`: the persistent
+  ``[max_num_seqs, B+1, B+1]`` float32 buffer the kernel reads, rewritten in
+  place before each target forward.
+* :func:`register_tree_attn_bias`: hands that buffer to the target's
+  TRITON_ATTN metadata builders (before CUDA-graph capture).
+* :func:`reference_paged_attention`: a dense, slow reference over a paged KV
+  cache with per-request tree masks, for tests.
+
+Rule for mixed batches (what the patched kernel does): the bias row block
+``bias[s]`` is applied to sequence s of the batch only when s has exactly Q =
+B+1 query tokens, and only to its first Q rows and keys. Prefill chunks and
+plain decodes of another length are never touched. A request that has exactly
+Q query tokens but verifies no tree (e.g. a prefill chunk of B+1 tokens) must
+have an all-zero ``bias[s]``: :func:`write_tree_attn_bias` zeroes every row
+whose ``has_tree`` flag is False.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "allocate_tree_attn_bias",
+    "check_tree_parents",
+    "reference_context_attention",
+    "reference_paged_attention",
+    "register_tree_attn_bias",
+    "tree_ancestor_mask",
+    "write_tree_attn_bias",
+]
+
+
+def check_tree_parents(node_parents: torch.Tensor) -> None:
+    """Validate the agreed tree format (host sync: for tests and debugging).
+
+    ``node_parents`` [R, B+1] int: node 0 is the root (parent -1), every other
+    node has a parent with a smaller index. Raises ``ValueError`` naming the
+    first problem.
+    """
+    if node_parents.ndim != 2 or node_parents.shape[1] < 1:
+        raise ValueError(
+            f"node_parents must be [num_reqs, B+1], got shape {tuple(node_parents.shape)}"
+        )
+    if node_parents.dtype.is_floating_point or node_parents.dtype == torch.bool:
+        raise ValueError(f"node_parents must be an integer tensor, got {node_parents.dtype}")
+    p = node_parents.detach().to("cpu", torch.int64)
+    if (p[:, 0] != -1).any():
+        r = int((p[:, 0] != -1).nonzero()[0, 0])
+        raise ValueError(f"node_parents[{r}, 0] must be -1 (root), got {int(p[r, 0])}")
+    if p.shape[1] > 1:
+        idx = torch.arange(1, p.shape[1]).expand(p.shape[0], -1)
+        bad = (p[:, 1:] < 0) | (p[:, 1:] >= idx)
+        if bad.any():
+            r, c = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"node_parents[{r}, {c + 1}] = {int(p[r, c + 1])}: a node's parent "
+                "must be a valid node with a smaller index"
+            )
+
+
+def tree_ancestor_mask(node_parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask of each request's tree.
+
+    ``node_parents`` [R, N] int (N = B+1, root parent -1, parent < child).
+    Returns bool [R, N, N] with ``mask[r, i, j]`` True iff node j is node i or
+    one of its ancestors. GPU-resident and sync-free: the transitive closure
+    of "self or parent" by repeated boolean squaring (ceil(log2 N) batched
+    matmuls), so it can run inside a CUDA graph.
+    """
+    if node_parents.ndim != 2:
+        raise ValueError(
+            f"node_parents must be [num_reqs, B+1], got shape {tuple(node_parents.shape)}"
+        )
+    num_reqs, n = node_parents.shape
+    device = node_parents.device
+    # float32 matmul of 0/1 matrices with at most n terms is exact.
+    step = torch.eye(n, device=device, dtype=torch.float32).expand(num_reqs, n, n).clone()
+    parents = node_parents.to(torch.int64)
+    has_parent = parents >= 0
+    step.scatter_add_(
+        2,
+        parents.clamp(min=0).unsqueeze(-1),
+        has_parent.to(torch.float32).unsqueeze(-1),
+    )
+    step.clamp_(max=1.0)
+    closure = step
+    # After k squarings the closure covers paths of up to 2**k edges; depths
+    # are at most n - 1.
+    for _ in range(max(1, math.ceil(math.log2(max(n - 1, 1))))):
+        closure = torch.bmm(closure, closure).clamp_(max=1.0)
+    return closure > 0.5
+
+
+def allocate_tree_attn_bias(
+    max_num_seqs: int, num_nodes: int, device: torch.device | str
+) -> torch.Tensor:
+    """The persistent bias buffer: float32 [max_num_seqs, num_nodes, num_nodes].
+
+    Allocate once, register with :func:`register_tree_attn_bias` before CUDA
+    graph capture, and only ever write it in place afterwards. Zero-filled, so
+    it is a no-op until a tree is written.
+    """
+    if max_num_seqs < 1 or num_nodes < 1:
+        raise ValueError(
+            f"max_num_seqs ({max_num_seqs}) and num_nodes ({num_nodes}) must be >= 1"
+        )
+    return torch.zeros(
+        (max_num_seqs, num_nodes, num_nodes), dtype=torch.float32, device=device
+    )
+
+
+def write_tree_attn_bias(
+    bias: torch.Tensor,
+    node_parents: torch.Tensor,
+    has_tree: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write this step's per-request tree bias into ``bias`` in place.
+
+    ``bias``: the persistent buffer [max_num_seqs, Q, Q] float32.
+    ``node_parents``: [R, Q] int in the batch's request order (row r is the
+    r-th request of ``query_start_loc``), agreed tree format.
+    ``has_tree``: optional bool [R]; rows where it is False get an all-zero
+    bias (requests that verify no tree this step). Padding nodes (parent 0,
+    depth 1) simply attend the root and themselves.
+
+    Rows ``[R, max_num_seqs)`` are left as they are: the kernel reads only the
+    batch's sequences, and CUDA-graph padding sequences have no query tokens.
+    Returns ``bias[:R]``. No host sync; fixed shapes, so graph-capturable.
+    """
+    if bias.ndim != 3 or bias.shape[1] != bias.shape[2]:
+        raise ValueError(f"bias must be [max_num_seqs, Q, Q], got {tuple(bias.shape)}")
+    if bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError("bias must be a contiguous float32 tensor")
+    if node_parents.ndim != 2 or node_parents.shape[1] != bias.shape[1]:
+        raise ValueError(
+            f"node_parents must be [num_reqs, {bias.shape[1]}], got "
+            f"{tuple(node_parents.shape)}"
+        )
+    num_reqs = node_parents.shape[0]
+    if num_reqs > bias.shape[0]:
+        raise ValueError(
+            f"{num_reqs} requests do not fit a bias buffer of {bias.shape[0]} rows"
+        )
+    if node_parents.device != bias.device:
+        raise ValueError(
+            f"node_parents is on {node_parents.device}, bias on {bias.device}"
+        )
+    allowed = tree_ancestor_mask(node_parents)
+    if has_tree is not None:
+        if has_tree.shape != (num_reqs,) or has_tree.dtype != torch.bool:
+            raise ValueError(f"has_tree must be bool [{num_reqs}], got {has_tree.dtype} {tuple(has_tree.shape)}")
+        allowed = allowed | ~has_tree[:, None, None]
+    out = bias[:num_reqs]
+    out.fill_(float("-inf"))
+    out.masked_fill_(allowed, 0.0)
+    return out
+
+
+def register_tree_attn_bias(attn_groups: Iterable, bias: torch.Tensor) -> int:
+    """Point the target's TRITON_ATTN metadata builders at ``bias``.
+
+    ``attn_groups``: the target model runner's attention groups (a list of
+    lists of ``vllm.v1.worker.utils.AttentionGroup``, or a flat list). Needs
+    the patched vLLM (``tree_attn_bias`` attribute on the builder); raises a
+    clear error when a group uses another backend, because only TRITON_ATTN
+    can apply the tree mask. Call before CUDA-graph capture. Never pass the
+    drafter's groups: the drafter attends without a tree mask. Returns the
+    number of builders set.
+    """
+    count = 0
+    for group in _flatten(attn_groups):
+        backend_name = group.backend.get_name()
+        if backend_name != "TRITON_ATTN":
+            raise ValueError(
+                f"DDTree tree verification needs attention backend TRITON_ATTN for "
+                f"the target, but layers {group.layer_names[:3]}... use {backend_name}; "
+                'start vLLM with attention_config={"backend": "TRITON_ATTN"}'
+            )
+        for builder in group.metadata_builders:
+            if not hasattr(builder, "tree_attn_bias"):
+                raise RuntimeError(
+                    "this vLLM lacks the tree_attn_bias hook: apply "
+                    "patches/attention_triton-per-request-tree-bias.patch"
+                )
+            builder.tree_attn_bias = bias
+            count += 1
+    return count
+
+
+def _flatten(groups: Iterable) -> Iterable:
+    for g in groups:
+        if isinstance(g, (list, tuple)):
+            yield from _flatten(g)
+        else:
+            yield g
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    scale: float,
+    tree_masks: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """Dense, slow reference attention over a paged KV cache (float64 softmax).
+
+    ``query`` [T, Hq, D]; ``key_cache``/``value_cache`` [num_blocks,
+    block_size, Hkv, D] (vLLM's unified-attention layout); ``block_table``
+    [num_seqs, max_blocks]. Sequence s has query tokens
+    ``query_start_loc[s]:query_start_loc[s+1]`` whose keys are the last
+    ``L`` of its ``seq_lens[s]`` KV positions. ``tree_masks[s]`` is None
+    (plain causal) or a bool [L, L] mask over its query tokens (True = may
+    attend); every query token may attend the whole committed context
+    ``[0, seq_lens[s] - L)``. Returns [T, Hq, D] in ``query``'s dtype.
+    """
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for s in range(len(seq_lens)):
+        q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        qlen, slen = q1 - q0, int(seq_lens[s])
+        if qlen == 0:
+            continue
+        ctx = slen - qlen
+        if ctx < 0:
+            raise ValueError(f"sequence {s}: {qlen} query tokens but seq_len {slen}")
+        pos = torch.arange(slen)
+        blocks = block_table[s, pos // block_size].long().cpu()
+        k = key_cache[blocks, pos % block_size].double()  # [S, Hkv, D]
+        v = value_cache[blocks, pos % block_size].double()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        q = query[q0:q1].double()  # [L, Hq, D]
+        allowed = torch.zeros(qlen, slen, dtype=torch.bool)
+        allowed[:, :ctx] = True
+        mask = tree_masks[s]
+        if mask is None:
+            mask = torch.ones(qlen, qlen, dtype=torch.bool).tril()
+        elif tuple(mask.shape) != (qlen, qlen):
+            raise ValueError(f"sequence {s}: tree mask {tuple(mask.shape)} for {qlen} query tokens")
+        allowed[:, ctx:] = mask.cpu().bool()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
+
+
+def reference_context_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of each sequence's queries over its first
+    ``context_lens[s]`` cached keys, with the log-sum-exp: the stand-in for
+    the FA3 context call of route 2 (``return_softmax_lse=True``). Returns
+    ``(out [T, Hq, D], lse [Hq, T])``; no context gives out 0, lse -inf."""
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    lse = torch.full((num_q_heads, query.shape[0]), float("-inf"))
+    for s in range(len(context_lens)):
+        q0, q1, ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(context_lens[s])
+        if q1 == q0 or ctx == 0:
+            continue
+        pos = torch.arange(ctx)
+        blocks = block_table[s, pos // block_size].long().cpu()
+        k = key_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        v = value_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[q0:q1].double(), k) * scale
+        lse[:, q0:q1] = torch.logsumexp(scores, dim=-1).float()
+        probs = torch.softmax(scores, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out, lse
