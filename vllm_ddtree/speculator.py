@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.kv_compaction import compact_paged_kv_
+from vllm_ddtree.kv_compaction import compact_kv_cache_
 from vllm_ddtree.tree_attention import (
     allocate_tree_attn_bias,
     register_tree_attn_bias,
@@ -101,7 +101,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._pending_compaction = False
         self._target_kv_caches: list[torch.Tensor] = []
         self._target_layer_name: str | None = None
-        self._kv_block_size = 0
         logger.info(
             "DDTree: budget %d nodes, depth %d, top-k %d per position",
             self.tree_budget,
@@ -140,7 +139,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 kv_cache = kv_cache[0]
             self._target_kv_caches.append(kv_cache)
         self._target_layer_name = names[0]
-        self._kv_block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 
     def make_tree_sampler(self, sampler: Sampler) -> DDTreeSampler:
         return DDTreeSampler(sampler, self)
@@ -198,18 +196,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         moves = on_path.flatten() & (src_rows != dst_rows)
         src_rows = torch.where(moves, src_rows, -1)
         dst_rows = torch.where(moves, dst_rows, -1)
-        # Hidden states feeding the drafter: gather then scatter (safe in place).
-        safe_src = src_rows.clamp(min=0)
-        safe_dst = torch.where(moves, dst_rows, hidden_states.shape[0])
-        padded = torch.cat([hidden_states, hidden_states[:1]], dim=0)
-        padded[safe_dst] = hidden_states[safe_src]
-        hidden_states.copy_(padded[:-1])
-        # KV of every target attention layer.
-        slot_mapping = slot_mappings[self._target_layer_name]
+        # Hidden states feeding the drafter: gather, then scatter (safe in place).
+        # Non-moves copy row 0 onto itself (no move ever targets row 0: the root
+        # stays where it is).
+        safe_src = torch.where(moves, src_rows, 0)
+        safe_dst = torch.where(moves, dst_rows, 0)
+        hidden_states[safe_dst] = hidden_states[safe_src]
+        # KV of every target attention layer; a negative slot is skipped.
+        slot_mapping = slot_mappings[self._target_layer_name].to(torch.int64)
         src_slots = torch.where(moves, slot_mapping[safe_src], -1)
-        dst_slots = torch.where(moves, slot_mapping[dst_rows.clamp(min=0)], -1)
+        dst_slots = torch.where(moves, slot_mapping[safe_dst], -1)
         for kv_cache in self._target_kv_caches:
-            compact_paged_kv_(kv_cache, src_slots, dst_slots, self._kv_block_size)
+            compact_kv_cache_(
+                kv_cache,
+                src_slots,
+                dst_slots,
+                "vllm",
+                moves_per_group=self.tree_depth + 1,
+            )
 
     @torch.inference_mode()
     def propose(
