@@ -91,7 +91,7 @@ def _engine(target, spec, eager, dummy, dtype, **kw):
         load_format="dummy" if dummy else "auto",
         skip_tokenizer_init=dummy,
         dtype=dtype,
-        gpu_memory_utilization=0.35,
+        gpu_memory_utilization=float(os.environ.get("GPU_MEM_UTIL", "0.12")),
         max_model_len=2048,
         seed=0,
         **kw,

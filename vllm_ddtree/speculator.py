@@ -127,18 +127,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         self.target_input_buffers = target_input_buffers
         register_tree_attn_bias(target_attn_groups, self.tree_attn_bias)
-        forward_context = self.vllm_config.compilation_config.static_forward_context
         names: list[str] = []
         for groups in target_attn_groups:
             for group in groups:
                 names.extend(group.layer_names)
-        self._target_kv_caches = []
-        for name in names:
-            kv_cache = forward_context[name].kv_cache
-            if isinstance(kv_cache, (list, tuple)):
-                kv_cache = kv_cache[0]
-            self._target_kv_caches.append(kv_cache)
+        self._target_layer_names = names
         self._target_layer_name = names[0]
+        # The caches are bound to the layers after set_attn; resolved on first use.
+        self._target_kv_caches = []
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        if not self._target_kv_caches:
+            forward_context = self.vllm_config.compilation_config.static_forward_context
+            for name in self._target_layer_names:
+                kv_cache = forward_context[name].kv_cache
+                if isinstance(kv_cache, (list, tuple)):
+                    kv_cache = kv_cache[0]
+                if kv_cache.numel() == 0:
+                    raise RuntimeError(f"ddtree: KV cache of {name} is not allocated")
+                self._target_kv_caches.append(kv_cache)
+        return self._target_kv_caches
 
     def make_tree_sampler(self, sampler: Sampler) -> DDTreeSampler:
         return DDTreeSampler(sampler, self)
@@ -206,7 +214,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         slot_mapping = slot_mappings[self._target_layer_name].to(torch.int64)
         src_slots = torch.where(moves, slot_mapping[safe_src], -1)
         dst_slots = torch.where(moves, slot_mapping[safe_dst], -1)
-        for kv_cache in self._target_kv_caches:
+        for kv_cache in self._kv_caches():
             compact_kv_cache_(
                 kv_cache,
                 src_slots,
@@ -323,7 +331,9 @@ class DDTreeSampler:
         if sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) != (
             NO_LOGPROBS
         ):
-            raise ValueError("ddtree: sample logprobs are not supported yet")
+            # Engine warm-up asks for logprobs; real requests asking for them are
+            # refused at the API (vllm_ddtree.config.validate_ddtree_request).
+            logger.warning_once("ddtree: sample logprobs are not returned yet")
         # pos = start + depth for tree rows (set by prepare_tree_verification), so
         # seeded Gumbel noise is keyed exactly as without speculation.
         pos = input_batch.positions[input_batch.logits_indices]

@@ -237,10 +237,11 @@ def tree_bias_for(batch, device, max_num_seqs=None):
     parents[:, 1:] = torch.where(parents[:, 1:] < 0, 0, parents[:, 1:])
     has_tree = torch.tensor([p is not None for _, _, p in reqs])
     write_tree_attn_bias(bias, parents.to(device), has_tree.to(device))
-    # Rows of sequences whose query length is not B+1 are never read by the
-    # kernel: poison them (all -inf would turn a wrongly biased row into NaN).
+    # Rows of sequences with more than B+1 query tokens (prefills) are never
+    # read by the kernel: poison them (all -inf would turn a wrongly biased row
+    # into NaN). Shorter sequences without a tree keep the writer's zero row.
     for s, (_, qlen, _) in enumerate(reqs):
-        if qlen != TREE_NODES:
+        if qlen > TREE_NODES:
             bias[s] = float("-inf")
     return bias
 
