@@ -212,6 +212,29 @@ def _compact_kv_kernel(
     tl.store(kv_ptr + dst_off[:, None] + e_off[None, :], vals, mask=mask)
 
 
+def _widest_view(kv_cache: torch.Tensor, dims: tuple[int, int]) -> torch.Tensor:
+    """The same bytes viewed with the widest integer element (<= 8 bytes) that keeps
+    every stride whole, so fp8/bf16 caches are copied in larger words. Only when the
+    last dim is a copied (contiguous) dim."""
+    last = kv_cache.dim() - 1
+    if last in dims or kv_cache.stride(last) != 1:
+        return kv_cache
+    size = kv_cache.element_size()
+    for word in (torch.int64, torch.int32, torch.int16):
+        wsize = torch.empty((), dtype=word).element_size()
+        if wsize <= size or (kv_cache.shape[last] * size) % wsize:
+            continue
+        if any((kv_cache.stride(d) * size) % wsize for d in range(last)):
+            continue
+        if (kv_cache.storage_offset() * size) % wsize:
+            continue
+        try:
+            return kv_cache.view(word)
+        except RuntimeError:
+            continue
+    return kv_cache
+
+
 def compact_kv_cache_(
     kv_cache: torch.Tensor,
     src_slots: torch.Tensor,
@@ -251,11 +274,12 @@ def compact_kv_cache_(
     if not can_use_triton(kv_cache):
         raise RuntimeError("backend='triton' needs a CUDA cache (or TRITON_INTERPRET=1 on CPU)")
 
-    rest = [d for d in range(kv_cache.dim()) if d not in (block_dim, token_dim)]
+    target = _widest_view(kv_cache, (block_dim, token_dim))
+    rest = [d for d in range(target.dim()) if d not in (block_dim, token_dim)]
     if len(rest) > 3:
-        raise ValueError(f"at most 3 dims besides block and token, got shape {tuple(kv_cache.shape)}")
-    sizes = [kv_cache.shape[d] for d in rest]
-    strides = [kv_cache.stride(d) for d in rest]
+        raise ValueError(f"at most 3 dims besides block and token, got shape {tuple(target.shape)}")
+    sizes = [target.shape[d] for d in rest]
+    strides = [target.stride(d) for d in rest]
     while len(sizes) < 3:
         sizes.insert(0, 1)
         strides.insert(0, 0)
@@ -269,13 +293,13 @@ def compact_kv_cache_(
     block_e = max(16, min(next_power_of_2(inner), max(64, 4096 // block_m)))
     grid = (groups, (inner + block_e - 1) // block_e)
     jit(_compact_kv_kernel)[grid](
-        kv_cache,
+        target,
         src2,
         dst2,
         m,
-        kv_cache.shape[token_dim],
-        kv_cache.stride(block_dim),
-        kv_cache.stride(token_dim),
+        target.shape[token_dim],
+        target.stride(block_dim),
+        target.stride(token_dim),
         sizes[1],
         sizes[2],
         strides[0],
