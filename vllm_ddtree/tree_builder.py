@@ -208,7 +208,8 @@ def build_tree_reference(
         cand_lp = []
         for d in range(depth_max):
             row = logp_all[r, d]
-            order = sorted(range(vocab), key=lambda t: (-float(row[t]), t))[:k]
+            # lexsort: primary key -logp (ascending), secondary token id.
+            order = np.lexsort((np.arange(vocab), -row))[:k].tolist()
             cand_ids.append(order)
             cand_lp.append([np.float32(row[t]) for t in order])
 
@@ -279,10 +280,9 @@ def _build_tree_kernel(
 
     # Root node.
     if HAS_ROOT:
-        root_tok = tl.load(root_tokens_ptr + req).to(tl.int64)
+        tl.store(tokens_ptr + out_base, tl.load(root_tokens_ptr + req).to(tl.int64))
     else:
-        root_tok = tl.zeros((), dtype=tl.int64)
-    tl.store(tokens_ptr + out_base, root_tok)
+        tl.store(tokens_ptr + out_base, 0)
     tl.store(parents_ptr + out_base, -1)
     tl.store(depths_ptr + out_base, 0)
     tl.store(valid_ptr + out_base, 1)
