@@ -290,7 +290,7 @@ def compact_kv_cache_(
     src2 = src2.contiguous()
     dst2 = dst2.contiguous()
     block_m = next_power_of_2(m)
-    block_e = max(16, min(next_power_of_2(inner), max(64, 4096 // block_m)))
+    block_e = max(16, min(next_power_of_2(inner), max(64, 2048 // block_m)))
     grid = (groups, (inner + block_e - 1) // block_e)
     jit(_compact_kv_kernel)[grid](
         target,
