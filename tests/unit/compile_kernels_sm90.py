@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_ddtree.kv_compaction import _compact_kv_kernel  # noqa: E402
-from vllm_ddtree.tree_builder import _build_tree_kernel  # noqa: E402
+from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
 
 TREE_SIG = {
     "topk_ids_ptr": "*i64", "topk_logp_ptr": "*fp32", "root_tokens_ptr": "*i64",
@@ -68,6 +68,10 @@ def main() -> int:
         for bm, be in ((1, 2048), (16, 128), (64, 64)):
             sig = dict(KV_SIG, kv_ptr=dtype)
             variants.append((f"kv{dtype}", _compact_kv_kernel, sig, {(13,): bm, (14,): be}, {}))
+    for dtype in ("*bf16", "*fp32"):
+        for block, warps in ((4096, 4), (64, 1)):
+            sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}
+            variants.append((f"lse{dtype}", _logsumexp_kernel, sig, {(4,): block}, {"num_warps": warps}))
     for name, fn, sig, consts, opts in variants:
         info = ptxas_info(compile_one(fn, sig, consts, **opts))
         info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
