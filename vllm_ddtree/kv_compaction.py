@@ -133,7 +133,10 @@ def _check_moves(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> 
 
 
 def _group_moves(src: torch.Tensor, dst: torch.Tensor, moves_per_group: int | None):
-    """[G, M] views of the moves; moves of different groups must touch disjoint slots."""
+    """[G, M] views of the moves; moves of different groups must touch disjoint slots.
+
+    Each Triton program holds a whole group in registers, so M should be small
+    (D + 1 <= 64 or so); the reference path accepts any grouping."""
     if src.dim() == 2:
         if moves_per_group is not None and moves_per_group != src.shape[1]:
             raise ValueError("moves_per_group disagrees with the 2-D src/dst shape")
@@ -141,7 +144,12 @@ def _group_moves(src: torch.Tensor, dst: torch.Tensor, moves_per_group: int | No
     if src.dim() != 1:
         raise ValueError(f"src/dst must be 1-D or 2-D, got {tuple(src.shape)}")
     total = src.shape[0]
-    m = total if moves_per_group is None else moves_per_group
+    if moves_per_group is None:
+        raise ValueError(
+            "1-D src/dst need moves_per_group (D + 1 for accepted_slot_moves output), or "
+            "pass [G, M] tensors; one program copies one group, so groups must stay small"
+        )
+    m = moves_per_group
     if m < 1 or total % m:
         raise ValueError(f"moves_per_group={moves_per_group} must divide the {total} moves")
     return src.reshape(-1, m), dst.reshape(-1, m)
@@ -257,7 +265,7 @@ def compact_kv_cache_(
             (requests) must touch disjoint slots; within a group any aliasing of one
             move's destination with another's source is fine. For the output of
             :func:`accepted_slot_moves` pass ``moves_per_group=D+1`` (or reshape).
-        moves_per_group: M for 1-D inputs (default: all moves form one group).
+        moves_per_group: M, required for 1-D inputs.
         backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
     Returns:
         ``kv_cache``.

@@ -139,7 +139,7 @@ def test_overlapping_moves_need_gather_then_scatter(triton_device):
     for j, i in enumerate([0, 2, 3, 5]):
         assert torch.equal(good[3, :, j], kv[3, :, i])
     out = kv.clone().to(triton_device)
-    compact_kv_cache_(out, src.to(triton_device), dst.to(triton_device), backend="triton")
+    compact_kv_cache_(out, src.to(triton_device), dst.to(triton_device), moves_per_group=4, backend="triton")
     assert torch.equal(out.cpu(), good)
 
 
@@ -164,7 +164,8 @@ def test_many_groups_and_flat_input(triton_device):
     src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
     ref = compact_kv_cache_reference_(kv.clone(), src, dst)
     w = walk.accepted_nodes.shape[1]
-    for s_, d_, mpg in ((src, dst, w), (src.view(-1, w), dst.view(-1, w), None), (src, dst, None)):
+    one = (src.view(1, -1), dst.view(1, -1), None)  # a single group is always safe
+    for s_, d_, mpg in ((src, dst, w), (src.view(-1, w), dst.view(-1, w), None), one):
         got = kv.clone().to(triton_device)
         compact_kv_cache_(got, s_.to(triton_device), d_.to(triton_device), moves_per_group=mpg, backend="triton")
         assert torch.equal(got.cpu(), ref)
@@ -199,6 +200,8 @@ def test_bad_inputs():
         compact_kv_cache_(kv, s, s[:3])
     with pytest.raises(ValueError, match="moves_per_group"):
         compact_kv_cache_(kv, s, s, moves_per_group=3)
+    with pytest.raises(ValueError, match="need moves_per_group"):
+        compact_kv_cache_(kv, s, s)
     with pytest.raises(TypeError, match="integer"):
         compact_kv_cache_(kv, s.float(), s.float())
     with pytest.raises(ValueError, match="batch mismatch"):
