@@ -133,7 +133,10 @@ def _check_moves(src: torch.Tensor, dst: torch.Tensor, device: torch.device) -> 
 
 
 def _group_moves(src: torch.Tensor, dst: torch.Tensor, moves_per_group: int | None):
-    """[G, M] views of the moves; moves of different groups must touch disjoint slots."""
+    """[G, M] views of the moves; moves of different groups must touch disjoint slots.
+
+    Each Triton program holds a whole group in registers, so M should be small
+    (D + 1 <= 64 or so); the reference path accepts any grouping."""
     if src.dim() == 2:
         if moves_per_group is not None and moves_per_group != src.shape[1]:
             raise ValueError("moves_per_group disagrees with the 2-D src/dst shape")
@@ -141,7 +144,12 @@ def _group_moves(src: torch.Tensor, dst: torch.Tensor, moves_per_group: int | No
     if src.dim() != 1:
         raise ValueError(f"src/dst must be 1-D or 2-D, got {tuple(src.shape)}")
     total = src.shape[0]
-    m = total if moves_per_group is None else moves_per_group
+    if moves_per_group is None:
+        raise ValueError(
+            "1-D src/dst need moves_per_group (D + 1 for accepted_slot_moves output), or "
+            "pass [G, M] tensors; one program copies one group, so groups must stay small"
+        )
+    m = moves_per_group
     if m < 1 or total % m:
         raise ValueError(f"moves_per_group={moves_per_group} must divide the {total} moves")
     return src.reshape(-1, m), dst.reshape(-1, m)
@@ -212,6 +220,29 @@ def _compact_kv_kernel(
     tl.store(kv_ptr + dst_off[:, None] + e_off[None, :], vals, mask=mask)
 
 
+def _widest_view(kv_cache: torch.Tensor, dims: tuple[int, int]) -> torch.Tensor:
+    """The same bytes viewed with the widest integer element (<= 8 bytes) that keeps
+    every stride whole, so fp8/bf16 caches are copied in larger words. Only when the
+    last dim is a copied (contiguous) dim."""
+    last = kv_cache.dim() - 1
+    if last in dims or kv_cache.stride(last) != 1:
+        return kv_cache
+    size = kv_cache.element_size()
+    for word in (torch.int64, torch.int32, torch.int16):
+        wsize = torch.empty((), dtype=word).element_size()
+        if wsize <= size or (kv_cache.shape[last] * size) % wsize:
+            continue
+        if any((kv_cache.stride(d) * size) % wsize for d in range(last)):
+            continue
+        if (kv_cache.storage_offset() * size) % wsize:
+            continue
+        try:
+            return kv_cache.view(word)
+        except RuntimeError:
+            continue
+    return kv_cache
+
+
 def compact_kv_cache_(
     kv_cache: torch.Tensor,
     src_slots: torch.Tensor,
@@ -234,7 +265,7 @@ def compact_kv_cache_(
             (requests) must touch disjoint slots; within a group any aliasing of one
             move's destination with another's source is fine. For the output of
             :func:`accepted_slot_moves` pass ``moves_per_group=D+1`` (or reshape).
-        moves_per_group: M for 1-D inputs (default: all moves form one group).
+        moves_per_group: M, required for 1-D inputs.
         backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
     Returns:
         ``kv_cache``.
@@ -251,11 +282,12 @@ def compact_kv_cache_(
     if not can_use_triton(kv_cache):
         raise RuntimeError("backend='triton' needs a CUDA cache (or TRITON_INTERPRET=1 on CPU)")
 
-    rest = [d for d in range(kv_cache.dim()) if d not in (block_dim, token_dim)]
+    target = _widest_view(kv_cache, (block_dim, token_dim))
+    rest = [d for d in range(target.dim()) if d not in (block_dim, token_dim)]
     if len(rest) > 3:
-        raise ValueError(f"at most 3 dims besides block and token, got shape {tuple(kv_cache.shape)}")
-    sizes = [kv_cache.shape[d] for d in rest]
-    strides = [kv_cache.stride(d) for d in rest]
+        raise ValueError(f"at most 3 dims besides block and token, got shape {tuple(target.shape)}")
+    sizes = [target.shape[d] for d in rest]
+    strides = [target.stride(d) for d in rest]
     while len(sizes) < 3:
         sizes.insert(0, 1)
         strides.insert(0, 0)
@@ -266,16 +298,16 @@ def compact_kv_cache_(
     src2 = src2.contiguous()
     dst2 = dst2.contiguous()
     block_m = next_power_of_2(m)
-    block_e = max(16, min(next_power_of_2(inner), max(64, 4096 // block_m)))
+    block_e = max(16, min(next_power_of_2(inner), max(64, 2048 // block_m)))
     grid = (groups, (inner + block_e - 1) // block_e)
     jit(_compact_kv_kernel)[grid](
-        kv_cache,
+        target,
         src2,
         dst2,
         m,
-        kv_cache.shape[token_dim],
-        kv_cache.stride(block_dim),
-        kv_cache.stride(token_dim),
+        target.shape[token_dim],
+        target.stride(block_dim),
+        target.stride(token_dim),
         sizes[1],
         sizes[2],
         strides[0],

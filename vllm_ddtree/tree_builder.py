@@ -4,7 +4,10 @@ The drafter gives, per request, one distribution over the vocabulary for each of
 future positions (position ``d`` = tree depth ``d + 1``). DDTree verifies the ``B``
 most probable *prefixes* under the (independent-per-position) draft distributions:
 
-* ``logp[d] = float32(logits[d]) - logsumexp(float32(logits[d]))`` (= log_softmax).
+* ``logp[d] = float32(logits[d]) - lse[d]`` (= log_softmax), where ``lse`` is the
+  float32 log-normaliser of :func:`draft_log_normalizer` (one fused pass over the
+  logits, no full-size temporary; both the reference and the fast paths call it, so
+  they see bitwise-equal log-probs; it is tested against ``torch.logsumexp``).
 * Per position, the ``K = min(top_k or B, V)`` most probable tokens are the candidates,
   ranked by ``(logp descending, token id ascending)``. Which tokens of a tie *at the
   K-th place* enter the candidate set is left to ``torch.topk`` (it does not affect
@@ -56,6 +59,7 @@ __all__ = [
     "DDTree",
     "build_tree_reference",
     "build_trees",
+    "draft_log_normalizer",
     "draft_topk",
     "empty_tree",
     "resolve_top_k",
@@ -127,6 +131,55 @@ def _check_root_tokens(root_tokens: torch.Tensor | None, num_requests: int) -> N
 # ----------------------------------------------------------------------------------
 
 
+def _logsumexp_kernel(
+    x_ptr,  # [rows, V] (row stride given; last dim contiguous)
+    out_ptr,  # [rows] float32
+    row_stride,
+    vocab,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * row_stride
+    offs = tl.arange(0, BLOCK)
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf"))
+        x = x.to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+        s = s * tl.exp(m - safe_m) + tl.sum(tl.exp(x - safe_m), axis=0)
+        m = new_m
+    lse = tl.where(m == float("-inf"), float("-inf"), m + tl.log(tl.where(s > 0.0, s, 1.0)))
+    tl.store(out_ptr + row, lse)
+
+
+def draft_log_normalizer(draft_logits: torch.Tensor) -> torch.Tensor:
+    """float32 ``logsumexp`` over the vocabulary, the log-normaliser of the draft.
+
+    Args:
+        draft_logits: [..., V] float logits (fp32/bf16/fp16), last dim contiguous for
+            the Triton path.
+    Returns:
+        [...] float32. One fused pass on CUDA (Triton; no fp32 copy of the logits);
+        ``torch.logsumexp(logits.float())`` elsewhere. Rows that are all -inf give -inf.
+    """
+    vocab = draft_logits.shape[-1]
+    lead = draft_logits.shape[:-1]
+    if can_use_triton(draft_logits) and vocab > 0:
+        rows = draft_logits.reshape(-1, vocab)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+        if rows.shape[0]:
+            block = min(4096, next_power_of_2(vocab))
+            jit(_logsumexp_kernel)[(rows.shape[0],)](
+                rows, out, rows.stride(0), vocab, BLOCK=block, num_warps=4 if block >= 1024 else 1
+            )
+        return out.view(lead)
+    return torch.logsumexp(draft_logits.float(), dim=-1)
+
+
 def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` draft candidates per position, in canonical rank order.
 
@@ -137,7 +190,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
     Returns:
         ``(ids [R, D, k] int64, logp [R, D, k] float32)`` where
-        ``logp = float32(logit) - logsumexp(float32(logits))`` and ranks are ordered by
+        ``logp = float32(logit) - draft_log_normalizer(logits)`` and ranks are ordered by
         ``(logp descending, token id ascending)``.
     """
     if draft_logits.dim() != 3:
@@ -148,7 +201,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     # Ordering by raw logits equals ordering by logp up to rounding ties; the canonical
     # re-sort below settles the order inside the selected set.
     vals, ids = torch.topk(draft_logits, k, dim=-1, largest=True, sorted=False)
-    lse = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)
+    lse = draft_log_normalizer(draft_logits)[..., None]
     logp = vals.float() - lse
     # Canonical order: sort by id, then stable sort by logp descending.
     ids, perm = torch.sort(ids, dim=-1)
@@ -192,7 +245,7 @@ def build_tree_reference(
     _check_root_tokens(root_tokens, num_req)
 
     # The definition of the draft log-probs; the fast path computes the same formula.
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    lse = draft_log_normalizer(logits)[..., None]
     logp_all = (logits.float() - lse).cpu().numpy()
 
     n_nodes = budget + 1
@@ -208,7 +261,8 @@ def build_tree_reference(
         cand_lp = []
         for d in range(depth_max):
             row = logp_all[r, d]
-            order = sorted(range(vocab), key=lambda t: (-float(row[t]), t))[:k]
+            # lexsort: primary key -logp (ascending), secondary token id.
+            order = np.lexsort((np.arange(vocab), -row))[:k].tolist()
             cand_ids.append(order)
             cand_lp.append([np.float32(row[t]) for t in order])
 
@@ -279,10 +333,9 @@ def _build_tree_kernel(
 
     # Root node.
     if HAS_ROOT:
-        root_tok = tl.load(root_tokens_ptr + req).to(tl.int64)
+        tl.store(tokens_ptr + out_base, tl.load(root_tokens_ptr + req).to(tl.int64))
     else:
-        root_tok = tl.zeros((), dtype=tl.int64)
-    tl.store(tokens_ptr + out_base, root_tok)
+        tl.store(tokens_ptr + out_base, 0)
     tl.store(parents_ptr + out_base, -1)
     tl.store(depths_ptr + out_base, 0)
     tl.store(valid_ptr + out_base, 1)

@@ -34,6 +34,13 @@ except ImportError:
     _HAS_TRITON = False
 
 
+def pytest_configure(config):
+    # Triton's interpreter converts 1-element arrays to ints (NumPy >= 1.25 warns).
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+    )
+
+
 def _triton_stdlib_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std

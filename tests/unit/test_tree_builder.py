@@ -15,6 +15,8 @@ from vllm_ddtree.tree_builder import (
     _build_tree_kernel,
     build_tree_reference,
     build_trees,
+    _logsumexp_kernel,
+    draft_log_normalizer,
     draft_topk,
     empty_tree,
     resolve_top_k,
@@ -210,7 +212,7 @@ def test_half_precision_logits(triton_device):
     # compare the fast backends exactly with each other and with the reference when
     # every cut is tie-free.
     _assert_same_tree(DDTree(*(t.cpu() for t in tri)), tor, "triton vs torch")
-    lp = logits.float() - torch.logsumexp(logits.float(), -1, keepdim=True)
+    lp = logits.float() - draft_log_normalizer(logits)[..., None]
     srt = lp.sort(-1, descending=True).values
     if bool((srt[..., 7] > srt[..., 8]).all()):
         _assert_same_tree(ref, tri)
@@ -220,7 +222,7 @@ def test_draft_topk_canonical_order_and_set():
     gen = torch.Generator().manual_seed(11)
     logits = torch.randint(0, 4, (3, 5, 30), generator=gen).float()
     ids, logp = draft_topk(logits, 7)
-    full = logits - torch.logsumexp(logits, -1, keepdim=True)
+    full = logits - draft_log_normalizer(logits)[..., None]
     assert torch.equal(logp, full.gather(-1, ids))
     for r, d in itertools.product(range(3), range(5)):
         pairs = list(zip(logp[r, d].tolist(), ids[r, d].tolist()))
@@ -258,3 +260,22 @@ def test_bad_shapes():
         build_trees(torch.randn(2, 3, 5), 4, out=out)
     with pytest.raises(ValueError, match="at least one position"):
         build_trees(torch.randn(2, 0, 5), 4)
+
+
+@pytest.mark.parametrize("V,dtype", [(1, torch.float32), (7, torch.float32), (5000, torch.float32),
+                                     (9000, torch.bfloat16), (300, torch.float16)])
+def test_log_normalizer_matches_torch(triton_device, V, dtype):
+    gen = torch.Generator().manual_seed(V)
+    x = (torch.randn(3, 4, V, generator=gen) * 5 + 20).to(dtype)
+    x[0, 0] = float("-inf")  # fully masked row
+    if V > 2:
+        x[1, 1, : V // 2] = float("-inf")  # partly masked row, mask spans chunks
+    got = draft_log_normalizer(x.to(triton_device)).cpu()
+    assert got.dtype == torch.float32 and got.shape == (3, 4)
+    assert (_logsumexp_kernel, triton_device.type == "cpu") in _triton._JIT_CACHE
+    want = torch.logsumexp(x.double(), -1).float()
+    assert torch.isneginf(got[0, 0])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-6)
+    # strided (non-contiguous leading dims) input
+    got_t = draft_log_normalizer(x.transpose(0, 1).to(triton_device)).cpu()
+    torch.testing.assert_close(got_t, want.transpose(0, 1), atol=2e-5, rtol=2e-6)

@@ -1,0 +1,84 @@
+"""Compile the project's Triton kernels for sm_90 (H200) without a GPU and report
+ptxas register/spill figures. Run as a script (Triton must NOT be in interpreter mode):
+
+    CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=0 python tests/unit/compile_kernels_sm90.py
+
+Prints one JSON line per compiled variant; exits non-zero on any failure or spill.
+Used by test_kernels_compile.py; catches compiler-only errors the interpreter accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from vllm_ddtree.kv_compaction import _compact_kv_kernel  # noqa: E402
+from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
+
+TREE_SIG = {
+    "topk_ids_ptr": "*i64", "topk_logp_ptr": "*fp32", "root_tokens_ptr": "*i64",
+    "tokens_ptr": "*i64", "parents_ptr": "*i32", "depths_ptr": "*i32", "valid_ptr": "*i1",
+    "scores_ptr": "*fp32", "max_depth": "i32", "k": "i32", "budget": "i32",
+    "HAS_ROOT": "constexpr", "BLOCK": "constexpr",
+}
+KV_SIG = {
+    "kv_ptr": None, "src_ptr": "*i64", "dst_ptr": "*i64", "num_moves": "i32",
+    "block_size": "i32", "stride_block": "i64", "stride_token": "i64", "size1": "i32",
+    "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64",
+    "inner_numel": "i32", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+}
+
+
+def compile_one(fn, sig, constexprs, **options):
+    src = ASTSource(fn=triton.jit(fn), signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_info(compiled) -> dict:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", res.stderr))
+    return {"registers": regs, "spill_bytes": spills}
+
+
+def main() -> int:
+    bad = 0
+    variants = []
+    for has_root in (True, False):
+        for block in (2, 64, 256, 1024):
+            variants.append(("tree", _build_tree_kernel, TREE_SIG, {(11,): has_root, (12,): block},
+                             {"num_warps": 1 if block < 256 else 4}))
+    for dtype in ("*bf16", "*fp8e4nv", "*i64"):
+        for bm, be in ((1, 2048), (16, 128), (64, 64)):
+            sig = dict(KV_SIG, kv_ptr=dtype)
+            variants.append((f"kv{dtype}", _compact_kv_kernel, sig, {(13,): bm, (14,): be}, {}))
+    for dtype in ("*bf16", "*fp32"):
+        for block, warps in ((4096, 4), (64, 1)):
+            sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}
+            variants.append((f"lse{dtype}", _logsumexp_kernel, sig, {(4,): block}, {"num_warps": warps}))
+    for name, fn, sig, consts, opts in variants:
+        info = ptxas_info(compile_one(fn, sig, consts, **opts))
+        info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
+        print(json.dumps(info))
+        bad += info["spill_bytes"] > 0
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
