@@ -30,13 +30,19 @@ RUN ./apply.sh --site "$(python3 -c 'import vllm,os;print(os.path.dirname(os.pat
 RUN python3 deploy/check_install.py --vllm-version "${VLLM_VERSION}" \
         --import vllm.entrypoints.openai.api_server
 
-# vLLM's image runs as root. Run as UID 2000 in group 0 instead, with HOME and every
+# Ray is needed only for the multi-node deployment (vLLM's Ray executor; see
+# deploy/README.md) and vLLM's wheel does not depend on it: add it with
+# --build-arg RAY_PACKAGE='ray[default]==<version>'.
+ARG RAY_PACKAGE=""
+RUN if [ -n "${RAY_PACKAGE}" ]; then python3 -m pip install --no-cache-dir "${RAY_PACKAGE}"; fi
+
+# vLLM's image runs as root. Run as UID 10001 in group 0 instead, with HOME and every
 # cache under /home/vllm, group-writable so that an arbitrary UID in group 0
 # (OpenShift's restricted policy) works too. Kubernetes mounts emptyDirs over the
 # cache directories when the root filesystem is read-only.
-RUN useradd --no-log-init --uid 2000 --gid 0 --create-home --home-dir /home/vllm --shell /bin/bash vllm \
+RUN useradd --no-log-init --uid 10001 --gid 0 --create-home --home-dir /home/vllm --shell /bin/bash vllm \
     && mkdir -p /home/vllm/.cache /home/vllm/.config \
-    && chown -R 2000:0 /home/vllm \
+    && chown -R 10001:0 /home/vllm \
     && chmod -R g=u /home/vllm
 ENV HOME=/home/vllm \
     XDG_CACHE_HOME=/home/vllm/.cache \
@@ -53,7 +59,7 @@ LABEL org.opencontainers.image.title="vllm-ddtree" \
       io.github.vllm-ddtree.vllm-version="${VLLM_VERSION}"
 
 WORKDIR /home/vllm
-USER 2000:0
+USER 10001:0
 EXPOSE 8000
 
 # Model loading, torch.compile and CUDA graph capture take minutes before /health answers.
