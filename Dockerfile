@@ -32,9 +32,14 @@ RUN python3 deploy/check_install.py --vllm-version "${VLLM_VERSION}" \
 
 # Ray is needed only for the multi-node deployment (vLLM's Ray executor; see
 # deploy/README.md) and vLLM's wheel does not depend on it: add it with
-# --build-arg RAY_PACKAGE='ray[default]==<version>'.
+# --build-arg RAY_PACKAGE='ray[default]==<version>' (DL3013 is ignored below because
+# the pin is in that argument, and the RUN refuses one without a version).
 ARG RAY_PACKAGE=""
-RUN if [ -n "${RAY_PACKAGE}" ]; then python3 -m pip install --no-cache-dir "${RAY_PACKAGE}"; fi
+# hadolint ignore=DL3013
+RUN if [ -n "${RAY_PACKAGE}" ]; then \
+        case "${RAY_PACKAGE}" in *==*) ;; *) echo "RAY_PACKAGE must pin a version: ray[default]==X.Y.Z" >&2; exit 1 ;; esac; \
+        python3 -m pip install --no-cache-dir "${RAY_PACKAGE}"; \
+    fi
 
 # vLLM's image runs as root. Run as UID 10001 in group 0 instead, with HOME and every
 # cache under /home/vllm, group-writable so that an arbitrary UID in group 0
