@@ -77,3 +77,11 @@ def test_gpu_regression_step_runs_check_regression(tmp_path):
     args = [word for pair in options.items() for word in pair]
     proc = subprocess.run([sys.executable, str(ROOT / argv[1]), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_checkov_github_actions():
+    result = run([tool("checkov"), "--quiet", "--compact", "--skip-download", "--framework", "github_actions",
+                  "-o", "json", "-d", str(ROOT / ".github")], timeout=300)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["summary"]["failed"] == 0, result.stdout
+    assert report["summary"]["passed"] > 0
