@@ -179,6 +179,7 @@ def test_lint_and_docs_on_a_good_series(exported, run_series):
     ("stale-docs", "is stale; run tools/series docs"),
     ("not-exported", "not written by tools/series export"),
     ("outside-vllm", "not under vllm/"),
+    ("short-index", "abbreviated 'index' lines"),
     ("missing", "does not exist"),
 ])
 def test_lint_catches(exported, run_series, breakage, message):
@@ -200,6 +201,9 @@ def test_lint_catches(exported, run_series, breakage, message):
         first.write_text(text.replace(tool.ZERO_FROM, "From 1234567890abcdef1234567890abcdef12345678 Mon Sep 17 00:00:00 2001"))
     elif breakage == "outside-vllm":
         first.write_text(text.replace("a/vllm/alpha.py", "a/setup.py"))
+    elif breakage == "short-index":
+        first.write_text(re.sub(r"^index ([0-9a-f]{7})[0-9a-f]{33}\.\.([0-9a-f]{7})[0-9a-f]{33}",
+                                r"index \1..\2", text, flags=re.M))
     elif breakage == "missing":
         first.unlink()
     r = run_series(*series_args(pin, "lint"))
