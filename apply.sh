@@ -35,7 +35,7 @@ MANIFEST_PY=$PKG_SRC/manifest.py
 
 die() { echo "$PROG: error: $*" >&2; exit 1; }
 say() { echo "$PROG: $*"; }
-usage() { sed -n '2,20s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; }
 
 while [[ $# -gt 0 ]]; do
   case $1 in

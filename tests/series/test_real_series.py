@@ -1,0 +1,173 @@
+"""The real series (patches/) against the real pinned vLLM.
+
+The pristine files come from the installed vLLM in the test environment: its files are
+copied to a scratch site, any series apply.sh put there is reverted in the copy (never in
+the venv itself), and every file is then checked against the sha256 in the wheel's RECORD,
+so the baseline is proven pristine independently of apply.sh. No network needed: this
+runs in CI right after ./apply.sh patched .venv.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = REPO / "patches"
+PINS = dict(line.split("=", 1) for line in (REPO / "UPSTREAM").read_text().splitlines()
+            if line.strip() and not line.startswith("#") and "=" in line)
+TEXT_SUFFIXES = {".py", ".pyi", ".json", ".jinja", ".md", ".txt", ".ini", ".toml",
+                 ".yaml", ".yml", ".cfg", ".typed", ".sh"}
+
+
+def _manifest_module():
+    spec = importlib.util.spec_from_file_location("ddtree_manifest_real",
+                                                  REPO / "vllm_ddtree" / "manifest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+manifest = _manifest_module()
+
+
+def record_sha256(value: str) -> str:
+    return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
+
+
+def installed_vllm():
+    try:
+        dist = importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vllm is not installed in this environment (run ./apply.sh)")
+    if dist.version != PINS["VLLM_VERSION"]:
+        pytest.fail(f"installed vLLM is {dist.version}, the pin is {PINS['VLLM_VERSION']}; "
+                    "run ./apply.sh")
+    site = Path(dist.locate_file(""))
+    return dist, site
+
+
+def series_files() -> set[str]:
+    out = set()
+    for name in manifest.series_names(PATCHES):
+        for line in (PATCHES / name).read_text().splitlines():
+            if line.startswith("diff --git a/"):
+                out.add(line.split(" b/", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pristine_site(tmp_path_factory):
+    """A scratch site with the pinned vLLM's text files, verified against RECORD."""
+    dist, site = installed_vllm()
+    root = tmp_path_factory.mktemp("pristine") / "site"
+    wanted = series_files()
+    expected: dict[str, str] = {}
+    for f in dist.files or []:
+        rel = str(f)
+        if not rel.startswith("vllm/") or f.hash is None or f.hash.mode != "sha256":
+            continue
+        if Path(rel).suffix in TEXT_SUFFIXES or rel in wanted:
+            src = site / rel
+            if src.is_file():
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, root / rel)
+                expected[rel] = record_sha256(f.hash.value)
+    assert expected, "vllm's RECORD lists no files"
+    m = manifest.load_manifest(site / "vllm")
+    if m is not None:
+        # carry what --revert needs, then revert the copy
+        shutil.copy2(site / "vllm" / manifest.MANIFEST_NAME, root / "vllm" / manifest.MANIFEST_NAME)
+        orig = site / "vllm" / manifest.ORIG_DIR_NAME
+        if orig.is_dir():
+            shutil.copytree(orig, root / "vllm" / manifest.ORIG_DIR_NAME)
+        for rel in m.get("created", []):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(site / rel, root / rel)
+        if m.get("package_copy"):
+            shutil.copytree(site / m["package_copy"], root / m["package_copy"])
+        r = subprocess.run([str(REPO / "apply.sh"), "--site", str(root), "--revert"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    bad = [rel for rel, digest in expected.items()
+           if manifest.file_sha256(root / rel) != digest]
+    assert not bad, f"files differ from the wheel's RECORD after revert: {bad[:10]}"
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert present == set(expected), sorted(present ^ set(expected))[:10]
+    return root
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_dir():
+            out[rel + "/"] = ("dir",)
+        else:
+            st = p.stat()
+            out[rel] = (manifest.file_sha256(p), st.st_mode, st.st_mtime_ns)
+    return out
+
+
+def test_real_series_applies_and_reverts_byte_identically(pristine_site, tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(pristine_site, site)
+    before = tree(site)
+    run = lambda *a: subprocess.run([str(REPO / "apply.sh"), "--site", str(site), *a],
+                                    capture_output=True, text=True)
+    r = run("--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tree(site) == before
+    r = run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = manifest.load_manifest(site / "vllm")
+    assert m["series_sha256"] == manifest.series_hash(PATCHES)
+    assert m["patches"] == manifest.series_names(PATCHES)
+    assert m["vllm_version"] == PINS["VLLM_VERSION"]
+    assert set(m["modified"]) | set(m["created"]) | set(m["deleted"]) == series_files()
+    r = run()
+    assert r.returncode == 0 and "already applied" in r.stdout
+    r = run("--revert")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert tree(site) == before
+
+
+def test_real_series_reexports_byte_for_byte(pristine_site, tmp_path):
+    """CI's drift check: import the series onto the pristine files and export it again."""
+    patches = tmp_path / "patches"
+    shutil.copytree(PATCHES, patches)
+    tool = [str(REPO / "tools" / "series"), "--patches", str(patches)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    r = subprocess.run(tool + ["import", "--dir", str(tmp_path / "work"), "--from-site",
+                               str(pristine_site)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(tool + ["export", "--dir", str(tmp_path / "work")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for p in sorted(PATCHES.iterdir()):
+        assert (patches / p.name).read_bytes() == p.read_bytes(), (
+            f"{p.name} changes when re-exported; run tools/series import && tools/series export")
+    assert sorted(x.name for x in patches.iterdir()) == sorted(x.name for x in PATCHES.iterdir())
+
+
+def test_installed_vllm_carries_this_series():
+    """The test environment's vLLM was patched by ./apply.sh with the current patches/."""
+    _, site = installed_vllm()
+    m = manifest.load_manifest(site / "vllm")
+    if m is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{site}/vllm carries no DDTree series; CI must run ./apply.sh first")
+        pytest.skip(f"{site}/vllm is not patched (run ./apply.sh)")
+    assert m["series_sha256"] == manifest.series_hash(PATCHES), (
+        f"{site}/vllm carries series {m['series_sha256'][:12]}, patches/ is "
+        f"{manifest.series_hash(PATCHES)[:12]}: run ./apply.sh --revert && ./apply.sh")
+    assert manifest.changed_since_apply(site, m) == []
