@@ -113,6 +113,11 @@ setup_venv() {
     "$VENV/bin/python" -m pip install "vllm==$VLLM_VERSION" -r "$REPO/requirements-test.txt"
     echo "$want" > "$stamp"
   fi
+  if [[ $DRY == 0 ]]; then
+    # The linters of tests/deploy live in their own venv (checkov's pins clash with
+    # vLLM's); a no-op when requirements-lint.txt has not changed.
+    "$REPO/tools/setup-lint-venv.sh"
+  fi
   TARGET=$site
 }
 
