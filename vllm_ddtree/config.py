@@ -248,3 +248,32 @@ def _select_tree_attention_backend(vllm_config: Any) -> None:
             f"(per-request tree masks); attention backend {chosen.name} cannot apply "
             "them. Leave the backend unset or choose TRITON_ATTN."
         )
+
+
+def validate_ddtree_request(params: Any) -> None:
+    """Refuse, per request, sampling features DDTree cannot honour yet (HTTP 400 in
+    the OpenAI server: vLLM turns this ValueError into a bad-request error).
+
+    Logit bias, allowed tokens, min_tokens, seeds and temperature/top-k/top-p/min-p
+    are honoured: they depend on the position, which is start + depth for every tree
+    node. Penalties and bad words depend on the tokens before a node, which differ
+    between branches; sample logprobs and structured outputs are not wired in yet.
+    """
+    refused = []
+    if getattr(params, "logprobs", None) is not None:
+        refused.append("logprobs")
+    if getattr(params, "presence_penalty", 0.0) != 0.0:
+        refused.append("presence_penalty")
+    if getattr(params, "frequency_penalty", 0.0) != 0.0:
+        refused.append("frequency_penalty")
+    if getattr(params, "repetition_penalty", 1.0) != 1.0:
+        refused.append("repetition_penalty")
+    if getattr(params, "bad_words", None):
+        refused.append("bad_words")
+    if getattr(params, "structured_outputs", None) is not None:
+        refused.append("structured outputs (guided decoding)")
+    if refused:
+        raise ValueError(
+            "this server decodes with DDTree speculative decoding, which does not "
+            "support " + ", ".join(refused) + " yet; leave them unset."
+        )
