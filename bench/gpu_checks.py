@@ -208,14 +208,148 @@ def run_equiv(args) -> dict:
     return results
 
 
+def _token_prompts(args, n: int) -> list[dict]:
+    """Chat-templated token prompts from the fixture's prompt sets (bench/run.py)."""
+    from transformers import AutoTokenizer
+
+    from bench.run import load_prompt_sets
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    ids = load_prompt_sets([args.prompt_set], args.data, tok, n)[args.prompt_set]
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+def _compare(out, ref) -> dict:
+    same = sum(a == b for a, b in zip(out, ref))
+    first = None
+    for i, (a, b) in enumerate(zip(out, ref)):
+        if a != b:
+            first = {"request": i,
+                     "token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                                   min(len(a), len(b)))}
+            break
+    return dict(identical_outputs=same, num_outputs=len(ref), first_difference_at=first)
+
+
+def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_after_steps: int):
+    """Greedy requests through the engine's step loop; every ``abort_every``-th request
+    is aborted after ``abort_after_steps`` steps. Returns outputs by index (aborted
+    requests: the tokens they had) and the aborted indices."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"abort-test-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, sp)
+    outputs: dict[str, list[int]] = {}
+    aborted = [rid for i, rid in enumerate(ids) if i % abort_every == 1]
+    steps = 0
+    deadline = time.time() + 300
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == abort_after_steps:
+            engine.abort_request(aborted)
+        if time.time() > deadline:
+            raise TimeoutError("abort test did not finish in 300 s")
+    return [outputs.get(rid, []) for rid in ids], {ids.index(r) for r in aborted}, steps
+
+
+def run_equiv_real(args) -> dict:
+    """Greedy DDTree == greedy without speculation on the real pair (float32, eager by
+    default): async and sync scheduling, a batch-aware budget, KV-cache pressure that
+    forces preemption, and requests aborted mid-way."""
+    target, drafter = args.target, args.drafter
+    n = max(args.batch_sizes)
+    prompts = _token_prompts(args, n)
+    eager = args.eager_modes[0]
+    results = dict(mode="equiv-real", target=target, drafter=drafter, dtype=args.dtype,
+                   eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
+                   runs=[])
+    base = _engine(target, None, eager, False, args.dtype)
+    ref = {}
+    for bs in args.batch_sizes:
+        ref[bs], _ = _greedy(base, prompts[:bs], args.max_tokens)
+    _free(base)
+
+    def record(entry):
+        results["runs"].append(entry)
+        print(json.dumps(entry), flush=True)
+
+    budget = args.budgets[0]
+    variants = [
+        ("ddtree-async", dict(num_speculative_tokens=budget), {}),
+        ("ddtree-sync", dict(num_speculative_tokens=budget), dict(async_scheduling=False)),
+        ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256), {}),
+        ("dflash-chain", dict(num_speculative_tokens=15), {}),
+    ]
+    for name, spec_extra, engine_kw in variants:
+        method = "dflash" if name.startswith("dflash") else "ddtree"
+        spec = dict(method=method, model=drafter, **spec_extra)
+        try:
+            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False, **engine_kw)
+        except Exception as exc:
+            record(dict(config=name, error=repr(exc)[:1500]))
+            continue
+        async_on = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        for bs in args.batch_sizes:
+            try:
+                out, secs = _greedy(llm, prompts[:bs], args.max_tokens)
+                record(dict(config=name, batch=bs, async_scheduling=async_on,
+                            seconds=round(secs, 3), **_compare(out, ref[bs])))
+            except Exception as exc:
+                record(dict(config=name, batch=bs, error=repr(exc)[:1500]))
+        results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
+        if name == "ddtree-async":
+            try:
+                outs, aborted, steps = _generate_with_aborts(llm, prompts[:n], args.max_tokens, 3, 8)
+                kept = [i for i in range(n) if i not in aborted]
+                same = sum(outs[i] == ref[n][i] for i in kept)
+                prefix_ok = sum(ref[n][i][:len(outs[i])] == outs[i] for i in aborted)
+                record(dict(config=name + "-aborts", batch=n, aborted=len(aborted), steps=steps,
+                            identical_outputs=same, num_outputs=len(kept),
+                            aborted_outputs_are_prefixes=prefix_ok))
+            except Exception as exc:
+                record(dict(config=name + "-aborts", error=repr(exc)[:1500]))
+        _free(llm)
+
+    # KV-cache pressure: few blocks, so the scheduler preempts and recomputes.
+    blocks = args.preempt_blocks
+    for name, spec in (("no-spec-preempt", None),
+                       ("ddtree-preempt", dict(method="ddtree", model=drafter,
+                                               num_speculative_tokens=budget))):
+        try:
+            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
+                          num_gpu_blocks_override=blocks)
+            out, secs = _greedy(llm, prompts[:n], args.max_tokens)
+            stats = {}
+            try:
+                for m in llm.get_metrics():
+                    if "preempt" in m.name:
+                        stats[m.name] = getattr(m, "value", None)
+            except Exception as exc:
+                stats["error"] = repr(exc)
+            record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
+                        preemption_metrics=stats, **_compare(out, ref[n])))
+            _free(llm)
+        except Exception as exc:
+            record(dict(config=name, error=repr(exc)[:1500]))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["smoke", "equiv"])
+    parser.add_argument("mode", choices=["smoke", "equiv", "equiv-real"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--target")
     parser.add_argument("--drafter")
     parser.add_argument("--prompts")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--data", default="/opt/smollm2-fixture/data")
+    parser.add_argument("--prompt-set", default="humaneval")
+    parser.add_argument("--preempt-blocks", type=int, default=160)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[32])
@@ -224,7 +358,8 @@ def main() -> None:
         "--eager-modes", type=lambda s: s.lower() == "eager", nargs="+", default=[True]
     )
     args = parser.parse_args()
-    result = run_smoke(args) if args.mode == "smoke" else run_equiv(args)
+    run = {"smoke": run_smoke, "equiv": run_equiv, "equiv-real": run_equiv_real}[args.mode]
+    result = run(args)
     result["command"] = " ".join(sys.argv)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)

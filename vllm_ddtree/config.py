@@ -22,6 +22,11 @@ Options (fields of vLLM's ``SpeculativeConfig``):
 ``ddtree_top_k``
     Candidates kept per drafted position before the best-first search. Default and
     maximum useful value: min(B, vocabulary size).
+``ddtree_tokens_per_step``
+    Optional verification-token target per forward: the budget shrinks as the batch
+    grows (:mod:`vllm_ddtree.budget`), through vLLM's
+    ``num_speculative_tokens_per_batch_size``, which may also be given directly.
+    Either needs asynchronous scheduling (the default).
 """
 
 from __future__ import annotations
@@ -135,10 +140,19 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             "verifies by walking the tree with the target's own samples (leave it "
             "'standard')."
         )
-    if getattr(spec_config, "num_speculative_tokens_per_batch_size", None) is not None:
-        raise DDTreeConfigError(
-            "ddtree: num_speculative_tokens_per_batch_size is not supported; the tree "
-            "budget is num_speculative_tokens."
+    tokens_per_step = getattr(spec_config, "ddtree_tokens_per_step", None)
+    if tokens_per_step is not None:
+        _check_int("ddtree_tokens_per_step", tokens_per_step, 2, 1 << 20)
+        if getattr(spec_config, "num_speculative_tokens_per_batch_size", None) is not None:
+            raise DDTreeConfigError(
+                "ddtree: set either ddtree_tokens_per_step or "
+                "num_speculative_tokens_per_batch_size, not both (the first computes "
+                "the second)."
+            )
+        from vllm_ddtree.budget import budget_schedule
+
+        spec_config.num_speculative_tokens_per_batch_size = budget_schedule(
+            tokens_per_step, budget
         )
 
     spec_config.ddtree_max_depth = depth
@@ -219,6 +233,17 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
     _select_tree_attention_backend(vllm_config)
 
     scheduler = vllm_config.scheduler_config
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and (
+        scheduler is not None and not scheduler.async_scheduling
+    ):
+        raise DDTreeConfigError(
+            "ddtree: a batch-size-dependent tree budget (ddtree_tokens_per_step or "
+            "num_speculative_tokens_per_batch_size) needs asynchronous scheduling: "
+            "with the V2 model runner only the async scheduler schedules fewer draft "
+            "tokens than num_speculative_tokens. Remove --no-async-scheduling (or "
+            "async_scheduling=False), or drop the schedule."
+        )
+
     tokens_per_request = spec.num_speculative_tokens + 1
     if scheduler is not None and scheduler.max_num_batched_tokens < tokens_per_request:
         raise DDTreeConfigError(

@@ -291,3 +291,48 @@ def test_target_without_aux_hidden_states_is_refused(
     target = ModelConfig(model=gpt2, skip_tokenizer_init=True)
     with pytest.raises(DDTreeConfigError, match="auxiliary hidden states"):
         validate_ddtree_vllm_config(_engine_config(target, spec32))
+
+
+# --- batch-aware budget ---------------------------------------------------------------
+
+
+def test_tokens_per_step_fills_the_batch_size_schedule(model_dirs, target_config):
+    spec = _spec(
+        target_config, model_dirs["drafter"], num_speculative_tokens=64,
+        ddtree_tokens_per_step=512,
+    )
+    assert spec.num_speculative_tokens_per_batch_size[0] == (1, 7, 64)
+    assert spec.uses_dynamic_speculative_decoding()
+
+
+def test_tokens_per_step_and_an_explicit_schedule_are_refused(model_dirs, target_config):
+    with pytest.raises(ValueError, match="not both"):
+        _spec(
+            target_config, model_dirs["drafter"], num_speculative_tokens=32,
+            ddtree_tokens_per_step=256,
+            num_speculative_tokens_per_batch_size=[(1, 8, 32), (9, 64, 8)],
+        )
+
+
+def test_tokens_per_step_must_be_a_positive_integer(model_dirs, target_config):
+    with pytest.raises(ValueError, match="ddtree_tokens_per_step"):
+        _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+              ddtree_tokens_per_step=1)
+
+
+def _scheduler(target_config, async_scheduling):
+    return SchedulerConfig(
+        max_model_len=target_config.max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=8192, async_scheduling=async_scheduling,
+    )
+
+
+def test_budget_schedule_needs_async_scheduling(model_dirs, target_config, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+                 ddtree_tokens_per_step=256)
+    with pytest.raises(DDTreeConfigError, match="asynchronous scheduling"):
+        validate_ddtree_vllm_config(_engine_config(
+            target_config, spec, scheduler_config=_scheduler(target_config, False)))
+    validate_ddtree_vllm_config(_engine_config(
+        target_config, spec, scheduler_config=_scheduler(target_config, True)))

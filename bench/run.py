@@ -1,0 +1,549 @@
+"""Benchmark harness: no speculation vs the DFlash chain vs DDTree, in one run.
+
+Runs on the GPU host with the series applied (``./apply.sh --site``) and vLLM on
+PYTHONPATH. One vLLM engine per configuration (CUDA graphs on unless ``--eager``);
+inside it every cell of (prompt set x temperature x batch size). A cell submits its
+requests in waves of ``batch`` concurrent requests (``LLM.generate`` of one wave),
+so ``batch`` is the number of requests decoding together.
+
+Suites:
+  fixture  SmolLM2-135M-Instruct + the committed DFlash drafter; HumanEval and
+           held-out ShareGPT prompts; batch 1/4/16/64; T=0 and T=1.
+  ci       a small slice of ``fixture`` in float32 for the GPU regression job
+           (``ci/check_regression.py`` reads its JSON; format in ci/README.md).
+  cost8b   Qwen3-8B's shape with dummy weights and a drafter of DFlash-8B's shape:
+           only the cost of a step means anything there (drafts are random and
+           nearly never accepted), so it reports time per engine step against the
+           number of tokens verified per target forward.
+
+    python bench/run.py --suite fixture --target /opt/smollm2-hf \
+        --drafter bench/fixture/smollm2-dflash --data /opt/smollm2-fixture/data \
+        --out $OUT/bench-fixture.json
+
+Per cell it records: tau (mean tokens per target forward = 1 + accepted/drafts, from
+vLLM's spec-decode counters), per-depth acceptance (vLLM's per-position counter: for
+a tree, position i counts steps whose accepted path reached depth i + 1), output
+tokens/s, mean time per output token, p50/p99 request latency, and at T=0 whether
+the outputs equal the no-speculation outputs of the same cell token for token.
+
+The JSON is rewritten after every cell, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+# Engine core in this process: request timestamps share one monotonic clock and
+# the metrics are read directly.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DRAFTER = os.path.join(ROOT, "bench", "fixture", "smollm2-dflash")
+DFLASH_CHAIN_TOKENS = 15  # a block-16 drafter predicts 15 tokens per pass
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class BenchConfig:
+    """One engine: ``no-spec``, ``dflash`` (the chain, K=15) or ``ddtree-b<B>``;
+    a ``-t<T>`` suffix makes the budget batch-aware: about T verified tokens per
+    forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K)."""
+
+    name: str
+    method: str | None
+    num_speculative_tokens: int = 0
+    tokens_per_step: int | None = None
+
+    def speculative_config(self, drafter: str) -> dict | None:
+        if self.method is None:
+            return None
+        spec = {
+            "method": self.method,
+            "model": drafter,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.tokens_per_step is not None:
+            if self.method == "ddtree":
+                spec["ddtree_tokens_per_step"] = self.tokens_per_step
+            else:
+                from vllm_ddtree.budget import budget_schedule
+
+                spec["num_speculative_tokens_per_batch_size"] = [
+                    list(r) for r in budget_schedule(self.tokens_per_step,
+                                                     self.num_speculative_tokens)]
+        return spec
+
+
+def parse_config(name: str) -> BenchConfig:
+    base, _, tail = name.partition("-t")
+    tokens = None
+    if tail:
+        tokens = int(tail) if tail.isdigit() else 0
+        if tokens < 2:
+            raise ValueError(f"bad benchmark config {name!r}: -t<tokens per step> needs "
+                             "an integer >= 2")
+    if base == "no-spec" and tokens is None:
+        return BenchConfig(name, None)
+    if base == "dflash":
+        return BenchConfig(name, "dflash", DFLASH_CHAIN_TOKENS, tokens)
+    if base.startswith("ddtree-b"):
+        digits = base[len("ddtree-b"):]
+        budget = int(digits) if digits.isdigit() else 0
+        if budget >= 1:
+            return BenchConfig(name, "ddtree", budget, tokens)
+    raise ValueError(
+        f"unknown benchmark config {name!r}: use no-spec, dflash[-t<T>] or "
+        "ddtree-b<budget>[-t<T>] (e.g. ddtree-b32, ddtree-b64-t512)"
+    )
+
+
+@dataclass
+class Suite:
+    configs: list[str]
+    batch_sizes: list[int]
+    prompt_sets: list[str]
+    temperatures: list[float]
+    max_tokens: int
+    min_requests: int
+    dtype: str
+    dummy: bool = False
+
+
+SUITES: dict[str, Suite] = {
+    "fixture": Suite(
+        configs=["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64"],
+        batch_sizes=[1, 4, 16, 64],
+        prompt_sets=["humaneval", "sharegpt"],
+        temperatures=[0.0, 1.0],
+        max_tokens=128,
+        min_requests=8,
+        dtype="bfloat16",
+    ),
+    "ci": Suite(
+        configs=["no-spec", "dflash", "ddtree-b32"],
+        batch_sizes=[1, 16],
+        prompt_sets=["humaneval"],
+        temperatures=[0.0],
+        max_tokens=96,
+        min_requests=8,
+        dtype="float32",
+    ),
+    "cost8b": Suite(
+        configs=["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64"],
+        batch_sizes=[1, 4, 16, 64],
+        prompt_sets=["random"],
+        temperatures=[0.0],
+        max_tokens=64,
+        min_requests=4,
+        dtype="bfloat16",
+        dummy=True,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def requests_for(batch: int, min_requests: int) -> int:
+    """Whole waves of ``batch`` requests, at least ``min_requests`` in all."""
+    waves = max(1, math.ceil(min_requests / batch))
+    return waves * batch
+
+
+@dataclass
+class SpecCounters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_pos: list[int] = field(default_factory=list)
+
+    def minus(self, before: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.per_pos), len(before.per_pos))
+        a = self.per_pos + [0] * (n - len(self.per_pos))
+        b = before.per_pos + [0] * (n - len(before.per_pos))
+        return SpecCounters(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            [x - y for x, y in zip(a, b)],
+        )
+
+    def summary(self) -> dict:
+        if self.drafts <= 0:
+            return {}
+        depth = [round(x / self.drafts, 4) for x in self.per_pos]
+        while depth and depth[-1] == 0:
+            depth.pop()
+        return {
+            "tau": round(1.0 + self.accepted / self.drafts, 4),
+            "accepted_tokens_per_step": round(self.accepted / self.drafts, 4),
+            "num_drafts": self.drafts,
+            "draft_tokens_per_step": round(self.draft_tokens / self.drafts, 2),
+            "acceptance_by_depth": depth,
+        }
+
+
+def spec_counters(metrics) -> SpecCounters:
+    """vLLM's spec-decode counters from ``LLM.get_metrics()`` (summed over engines)."""
+    c = SpecCounters()
+    for m in metrics:
+        if m.name == "vllm:spec_decode_num_drafts":
+            c.drafts += int(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            c.draft_tokens += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            c.accepted += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            if len(vals) > len(c.per_pos):
+                c.per_pos += [0] * (len(vals) - len(c.per_pos))
+            for i, v in enumerate(vals):
+                c.per_pos[i] += v
+    return c
+
+
+def compare_greedy(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Token-for-token comparison with the no-speculation outputs of the same cell."""
+    same = sum(a == b for a, b in zip(outputs, reference))
+    first = None
+    for i, (a, b) in enumerate(zip(outputs, reference)):
+        if a != b:
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"request": i, "token": pos}
+            break
+    total = len(reference)
+    return {
+        "greedy_match": same == total and len(outputs) == total,
+        "greedy_identical": same,
+        "greedy_total": total,
+        "greedy_first_difference": first,
+    }
+
+
+def cell_summary(
+    outputs: list[list[int]],
+    wall_s: float,
+    latencies: list[float],
+    tpots: list[float],
+) -> dict:
+    n_tokens = sum(len(o) for o in outputs)
+    return {
+        "num_requests": len(outputs),
+        "output_tokens": n_tokens,
+        "wall_s": round(wall_s, 4),
+        "output_tokens_per_s": round(n_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "time_per_output_token_ms": round(sum(tpots) / len(tpots) * 1e3, 4) if tpots else None,
+        "latency_p50_s": _r(percentile(latencies, 50)),
+        "latency_p99_s": _r(percentile(latencies, 99)),
+    }
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# ----------------------------------------------------------------------------- prompts
+def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: int,
+                     seed: int = 0) -> dict[str, list[list[int]]]:
+    """Token ids per prompt set: the chat template applied to each prompt, as in
+    training (``bench.fixture.train_dflash_drafter.Target.encode_chat``)."""
+    sets: dict[str, list[list[int]]] = {}
+    for name in names:
+        if name == "random":
+            rng = random.Random(seed)
+            sets[name] = [[rng.randrange(100, 30000) for _ in range(rng.randrange(64, 256))]
+                          for _ in range(limit)]
+            continue
+        if data_dir is None:
+            raise SystemExit(f"prompt set {name!r} needs --data (bench.fixture.prompts output)")
+        file = {"humaneval": "humaneval.jsonl", "sharegpt": "sharegpt_bench.jsonl"}.get(name)
+        if file is None:
+            raise SystemExit(f"unknown prompt set {name!r}: use humaneval, sharegpt or random")
+        path = os.path.join(data_dir, file)
+        if not os.path.exists(path):
+            raise SystemExit(f"{path} is missing (python -m bench.fixture.prompts builds it)")
+        with open(path, encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        ids = []
+        for r in recs:
+            out = tokenizer.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                tokenize=True)
+            if isinstance(out, dict) or hasattr(out, "keys"):
+                out = out["input_ids"]
+            if len(out) <= 768:
+                ids.append(list(out))
+            if len(ids) >= limit:
+                break
+        sets[name] = ids
+    return sets
+
+
+# ----------------------------------------------------------------------------- 8B shapes
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu",
+    attention_bias=False,
+)
+
+
+def make_8b_models(root: str) -> tuple[str, str]:
+    """Qwen3-8B's config and a drafter of DFlash-8B's shape (5 layers, block 16,
+    five target layers), both for ``load_format="dummy"``."""
+    target, drafter = os.path.join(root, "qwen3-8b-shape"), os.path.join(root, "dflash-8b-shape")
+    os.makedirs(target, exist_ok=True)
+    os.makedirs(drafter, exist_ok=True)
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(QWEN3_8B, f)
+    d = dict(QWEN3_8B, architectures=["DFlashDraftModel"], num_hidden_layers=5,
+             block_size=16, dflash_config=dict(mask_token_id=151669,
+                                               target_layer_ids=[1, 9, 17, 25, 33]))
+    with open(os.path.join(drafter, "config.json"), "w") as f:
+        json.dump(d, f)
+    return target, drafter
+
+
+# ----------------------------------------------------------------------------- GPU run
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
+    from vllm import LLM
+
+    kw = dict(
+        model=target,
+        speculative_config=cfg.speculative_config(drafter),
+        enforce_eager=args.eager,
+        dtype=suite.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(suite.batch_sizes),
+        seed=0,
+        disable_log_stats=False,
+    )
+    if suite.dummy:
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    return LLM(**kw)
+
+
+def _free(llm) -> None:
+    import torch
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
+             dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+    from vllm import SamplingParams
+
+    before = spec_counters(llm.get_metrics())
+    outputs: list[list[int]] = []
+    latencies: list[float] = []
+    tpots: list[float] = []
+    t0 = time.perf_counter()
+    for w in range(0, len(prompts), batch):
+        wave = prompts[w:w + batch]
+        sps = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                              ignore_eos=True, seed=(1000 + w + i) if temperature > 0 else None,
+                              detokenize=not dummy)
+               for i in range(len(wave))]
+        tw = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in wave], sps, use_tqdm=False)
+        wave_s = time.perf_counter() - tw
+        for o in outs:
+            toks = list(o.outputs[0].token_ids)
+            outputs.append(toks)
+            m = getattr(o, "metrics", None)
+            q, f, last = (getattr(m, "queued_ts", 0.0), getattr(m, "first_token_ts", 0.0),
+                          getattr(m, "last_token_ts", 0.0)) if m is not None else (0, 0, 0)
+            latencies.append(last - q if q > 0 and last >= q else wave_s)
+            if last > f > 0 and len(toks) > 1:
+                tpots.append((last - f) / (len(toks) - 1))
+    wall = time.perf_counter() - t0
+    delta = spec_counters(llm.get_metrics()).minus(before)
+    return outputs, cell_summary(outputs, wall, latencies, tpots), delta
+
+
+class Recorder:
+    def __init__(self, path: str, header: dict):
+        self.path = path
+        self.doc = dict(header, results=[], engines=[], skipped=[])
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.doc, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--suite", choices=sorted(SUITES), default="fixture")
+    ap.add_argument("--out", required=True, help="result JSON (format: ci/README.md)")
+    ap.add_argument("--target", default=os.environ.get("DDTREE_BENCH_TARGET", "/opt/smollm2-hf"))
+    ap.add_argument("--drafter", default=os.environ.get("DDTREE_BENCH_DRAFTER", DEFAULT_DRAFTER))
+    ap.add_argument("--data", default=os.environ.get("DDTREE_BENCH_DATA", "/opt/smollm2-fixture/data"))
+    ap.add_argument("--configs", nargs="+", help="override the suite's configs")
+    ap.add_argument("--batch-sizes", type=int, nargs="+")
+    ap.add_argument("--prompt-sets", nargs="+")
+    ap.add_argument("--temperatures", type=float, nargs="+")
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--min-requests", type=int)
+    ap.add_argument("--dtype")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (correctness runs)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="skip engines that would start after this many seconds (0: no limit)")
+    ap.add_argument("--engine-estimate-s", type=float, default=60.0,
+                    help="time an engine and its cells are assumed to need, for the budget")
+    ap.add_argument("--plots", default=None, help="directory for PNG plots (needs matplotlib)")
+    args = ap.parse_args(argv)
+
+    suite = SUITES[args.suite]
+    for name in ("configs", "batch_sizes", "prompt_sets", "temperatures", "max_tokens",
+                 "min_requests", "dtype"):
+        if getattr(args, name) is not None:
+            setattr(suite, name, getattr(args, name))
+    configs = [parse_config(c) for c in suite.configs]  # bad names fail before any GPU work
+    if any(b < 1 for b in suite.batch_sizes):
+        raise SystemExit("--batch-sizes must be >= 1")
+
+    t_start = time.time()
+    if suite.dummy:
+        target, drafter = make_8b_models(tempfile.mkdtemp())
+    else:
+        target, drafter = args.target, args.drafter
+        for what, path in (("target", target), ("drafter", drafter)):
+            if not os.path.isdir(path):
+                raise SystemExit(f"--{what} {path} is not a directory")
+
+    import torch
+    import vllm
+
+    n_prompts = requests_for(max(suite.batch_sizes), suite.min_requests)
+    tokenizer = None
+    if not suite.dummy:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt_sets = load_prompt_sets(suite.prompt_sets, args.data, tokenizer, n_prompts)
+    for name, ps in prompt_sets.items():
+        if len(ps) < n_prompts:
+            raise SystemExit(f"prompt set {name} has {len(ps)} usable prompts, {n_prompts} needed")
+
+    rec = Recorder(args.out, dict(
+        git_rev=git_rev(),
+        command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:] if argv is None
+                                     else [os.path.relpath(__file__, ROOT)] + argv),
+        suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
+        cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
+        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
+    ))
+    reference: dict[tuple, list[list[int]]] = {}
+    for cfg in configs:
+        elapsed = time.time() - t_start
+        if args.time_budget_s and elapsed + args.engine_estimate_s > args.time_budget_s:
+            rec.doc["skipped"].append({"config": cfg.name, "reason": f"time budget ({elapsed:.0f}s used)"})
+            rec.save()
+            print(f"skip {cfg.name}: time budget", flush=True)
+            continue
+        t_engine = time.time()
+        try:
+            llm = _engine(args, suite, target, drafter, cfg)
+        except Exception as exc:  # record and go on with the next config
+            rec.doc["engines"].append({"config": cfg.name, "error": repr(exc)[:2000]})
+            rec.save()
+            print(f"engine {cfg.name} failed: {exc!r}", flush=True)
+            continue
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        eng = {"config": cfg.name, "startup_s": round(time.time() - t_engine, 1),
+               "async_scheduling": getattr(sched, "async_scheduling", None),
+               "speculative_config": cfg.speculative_config(drafter)}
+        # Warm-up outside the measurement (first-use allocations, lazy init).
+        first = next(iter(prompt_sets.values()))
+        run_cell(llm, first[:2], 2, 0.0, 16, suite.dummy)
+        for set_name, prompts in prompt_sets.items():
+            for temp in suite.temperatures:
+                for batch in suite.batch_sizes:
+                    reqs = prompts[: requests_for(batch, suite.min_requests)]
+                    outs, summary, delta = run_cell(llm, reqs, batch, temp, suite.max_tokens,
+                                                    suite.dummy)
+                    entry = dict(config=cfg.name, prompt_set=set_name, batch_size=batch,
+                                 temperature=temp, **summary, **delta.summary())
+                    if cfg.method is not None and delta.drafts:
+                        # Steps per request-step: each step verifies batch * (1 + drafts) tokens.
+                        entry["verified_tokens_per_forward"] = round(
+                            batch * (1 + delta.draft_tokens / delta.drafts), 1)
+                    key = (set_name, batch, temp)
+                    if temp == 0.0:
+                        if cfg.method is None:
+                            reference[key] = outs
+                        elif key in reference and not suite.dummy:
+                            entry.update(compare_greedy(outs, reference[key]))
+                    rec.doc["results"].append(entry)
+                    rec.save()
+                    print(json.dumps({k: entry.get(k) for k in (
+                        "config", "prompt_set", "batch_size", "temperature", "tau",
+                        "output_tokens_per_s", "time_per_output_token_ms", "greedy_match")}),
+                        flush=True)
+        eng["engine_s"] = round(time.time() - t_engine, 1)
+        rec.doc["engines"].append(eng)
+        rec.save()
+        _free(llm)
+    rec.doc["wall_s"] = round(time.time() - t_start, 1)
+    rec.save()
+    if args.plots:
+        try:
+            from bench.plot import plot_results
+        except ImportError:
+            sys.path.insert(0, ROOT)
+            from bench.plot import plot_results
+        try:
+            print("plots:", plot_results(rec.doc, args.plots), flush=True)
+        except ImportError as exc:
+            print(f"no plots: {exc}", flush=True)
+    failed = [e for e in rec.doc["engines"] if "error" in e]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

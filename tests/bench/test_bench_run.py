@@ -1,0 +1,118 @@
+"""CPU tests of the benchmark harness's pure parts (bench/run.py, bench/plot.py)."""
+
+import json
+import types
+
+import pytest
+
+from bench.run import (
+    SUITES,
+    SpecCounters,
+    cell_summary,
+    compare_greedy,
+    parse_config,
+    percentile,
+    requests_for,
+    spec_counters,
+)
+
+
+def test_configs_parse_to_speculative_configs():
+    assert parse_config("no-spec").speculative_config("d") is None
+    assert parse_config("dflash").speculative_config("d") == {
+        "method": "dflash", "model": "d", "num_speculative_tokens": 15}
+    tree = parse_config("ddtree-b64-t512").speculative_config("d")
+    assert tree == {"method": "ddtree", "model": "d", "num_speculative_tokens": 64,
+                    "ddtree_tokens_per_step": 512}
+    chain = parse_config("dflash-t512").speculative_config("d")
+    assert chain["num_speculative_tokens_per_batch_size"][0] == [1, 32, 15]
+
+
+@pytest.mark.parametrize("name", ["ddtree", "ddtree-b0", "ddtree-bx", "no-spec-t4",
+                                  "ddtree-b8-t1", "eagle"])
+def test_bad_config_names_are_refused(name):
+    with pytest.raises(ValueError, match="config"):
+        parse_config(name)
+
+
+def test_every_suite_config_parses():
+    for suite in SUITES.values():
+        for name in suite.configs:
+            parse_config(name)
+
+
+def test_percentile_and_waves():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+    assert requests_for(1, 8) == 8
+    assert requests_for(4, 8) == 8
+    assert requests_for(16, 8) == 16
+    assert requests_for(5, 8) == 10
+
+
+def _metric(name, value=None, values=None):
+    return types.SimpleNamespace(name=name, value=value, values=values)
+
+
+def test_spec_counters_and_tau():
+    before = spec_counters([_metric("vllm:spec_decode_num_drafts", 10),
+                            _metric("vllm:spec_decode_num_accepted_tokens", 5),
+                            _metric("vllm:spec_decode_num_draft_tokens", 320),
+                            _metric("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    values=[4, 1, 0])])
+    after = spec_counters([_metric("vllm:spec_decode_num_drafts", 30),
+                           _metric("vllm:spec_decode_num_accepted_tokens", 35),
+                           _metric("vllm:spec_decode_num_draft_tokens", 960),
+                           _metric("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   values=[20, 10, 5, 0])])
+    d = after.minus(before).summary()
+    assert d["tau"] == 2.5  # 1 + 30 accepted / 20 steps
+    assert d["accepted_tokens_per_step"] == 1.5
+    assert d["draft_tokens_per_step"] == 32
+    assert d["acceptance_by_depth"] == [0.8, 0.45, 0.25]
+    assert SpecCounters().summary() == {}
+
+
+def test_greedy_comparison_finds_the_first_difference():
+    ref = [[1, 2, 3], [4, 5, 6]]
+    assert compare_greedy(ref, ref)["greedy_match"] is True
+    r = compare_greedy([[1, 2, 3], [4, 9, 6]], ref)
+    assert r["greedy_match"] is False and r["greedy_identical"] == 1
+    assert r["greedy_first_difference"] == {"request": 1, "token": 1}
+    assert compare_greedy([[1, 2]], [[1, 2, 3]])["greedy_first_difference"] == {
+        "request": 0, "token": 2}
+
+
+def test_cell_summary():
+    s = cell_summary([[1] * 10, [2] * 30], 2.0, [1.0, 2.0], [0.01, 0.03])
+    assert s["output_tokens"] == 40 and s["output_tokens_per_s"] == 20.0
+    assert s["time_per_output_token_ms"] == 20.0
+    assert s["latency_p50_s"] == 1.5
+
+
+def test_result_rows_satisfy_the_regression_checker(tmp_path):
+    """A run's rows are what ci/check_regression.py reads."""
+    from ci.check_regression import load_results
+
+    row = dict(config="ddtree-b32", prompt_set="humaneval", batch_size=1, temperature=0.0,
+               **cell_summary([[1] * 8], 1.0, [1.0], []),
+               **SpecCounters(4, 128, 4, [4]).summary(),
+               **compare_greedy([[1] * 8], [[1] * 8]))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"git_rev": "x", "command": "c", "results": [row]}))
+    assert len(load_results(path)) == 1
+
+
+def test_plot_panels_group_by_set_and_temperature():
+    from bench.plot import series_by_panel
+
+    doc = {"results": [
+        dict(config="a", prompt_set="he", temperature=0.0, batch_size=4, output_tokens_per_s=2),
+        dict(config="a", prompt_set="he", temperature=0.0, batch_size=1, output_tokens_per_s=1),
+        dict(config="b", prompt_set="he", temperature=1.0, batch_size=1, output_tokens_per_s=3,
+             tau=2.0)]}
+    panels = series_by_panel(doc)
+    assert panels[("he", 0.0)]["a"] == [(1, 1, None), (4, 2, None)]
+    assert panels[("he", 1.0)]["b"] == [(1, 3, 2.0)]

@@ -1,0 +1,84 @@
+"""Batch-aware tree budget: verify about the same number of tokens per forward.
+
+A target forward costs about the same from 1 token to a knee (about 128 tokens for an
+8B target on an H200, see docs/benchmarks.md) and grows past it. A request's tree of
+B nodes puts B + 1 tokens into the verification forward, so a batch of n requests
+verifies n (B + 1). Keeping that under the knee as n grows means shrinking B:
+
+    B(n) = the largest budget level <= tokens_per_step // n - 1
+
+(levels: max_budget and the powers of two below it, never below min_budget).
+
+Because DDTree's nodes are ordered best-first (each node's cumulative probability is
+no higher than any node before it), the first B(n) nodes of the full tree are exactly
+the best tree of B(n) nodes: the runner verifies a prefix of the drafted tree and
+nothing else changes. vLLM's scheduler already schedules a batch-size-dependent
+number of draft tokens (``num_speculative_tokens_per_batch_size``, "dynamic
+speculative decoding", async scheduling only); :func:`budget_schedule` produces that
+schedule, and CUDA graphs are captured for each budget in it.
+"""
+
+from __future__ import annotations
+
+# Upper end of the last batch-size range; vLLM caps it at max_num_seqs.
+OPEN_END = 1 << 20
+
+
+def budget_levels(max_budget: int, min_budget: int = 1) -> list[int]:
+    """Budgets a schedule may use: max_budget and the powers of two below it.
+    Few levels mean few extra CUDA graphs (one set per verification length)."""
+    levels = {max_budget}
+    p = 1
+    while p < max_budget:
+        if p >= min_budget:
+            levels.add(p)
+        p *= 2
+    return sorted(levels, reverse=True)
+
+
+def budget_for_batch(batch_size: int, tokens_per_step: int, max_budget: int,
+                     min_budget: int = 1) -> int:
+    """Largest budget level whose trees for ``batch_size`` requests fit in
+    ``tokens_per_step`` verified tokens (never below ``min_budget``)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    fit = tokens_per_step // batch_size - 1
+    for b in budget_levels(max_budget, min_budget):
+        if b <= fit:
+            return b
+    return min_budget
+
+
+def budget_schedule(tokens_per_step: int, max_budget: int,
+                    min_budget: int = 1) -> list[tuple[int, int, int]]:
+    """``num_speculative_tokens_per_batch_size`` for a verification-token target:
+    inclusive batch-size ranges ``(first, last, budget)`` covering 1..OPEN_END,
+    budgets from :func:`budget_levels`."""
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    if not 1 <= min_budget <= max_budget:
+        raise ValueError(f"min_budget must be between 1 and max_budget={max_budget}, "
+                         f"got {min_budget}")
+    if tokens_per_step < 2:
+        raise ValueError(f"tokens_per_step must be >= 2, got {tokens_per_step}")
+    ranges: list[tuple[int, int, int]] = []
+    n = 1
+    while True:
+        b = budget_for_batch(n, tokens_per_step, max_budget, min_budget)
+        if b == min(budget_levels(max_budget, min_budget)) or b == min_budget:
+            ranges.append((n, OPEN_END, b))
+            return ranges
+        # Budget b fits while n (b + 1) <= tokens_per_step.
+        last = max(n, tokens_per_step // (b + 1))
+        ranges.append((n, last, b))
+        n = last + 1
+
+
+def expand_schedule(schedule: list[tuple[int, int, int]], max_batch: int) -> list[int]:
+    """Budget by batch size (index = batch size, index 0 unused), for reading a
+    schedule; vLLM's scheduler builds the same table itself."""
+    table = [0] * (max_batch + 1)
+    for first, last, b in schedule:
+        for n in range(first, min(last, max_batch) + 1):
+            table[n] = b
+    return table
