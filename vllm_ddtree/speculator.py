@@ -39,6 +39,7 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.kv_compaction import compact_kv_cache_
+from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import (
     allocate_tree_attn_bias,
     register_tree_attn_bias,
@@ -101,6 +102,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._pending_compaction = False
         self._target_kv_caches: list[torch.Tensor] = []
         self._target_layer_name: str | None = None
+        # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
+        self.profiler = StepProfiler.from_env()
+        if self.profiler is not None:
+            self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
             "DDTree: budget %d nodes, depth %d, top-k %d per position",
             self.tree_budget,
@@ -156,6 +161,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     def prepare_tree_verification(self, input_batch: InputBatch) -> None:
         """Runner hook before the target forward: depth positions and tree masks."""
         num_reqs = input_batch.num_reqs
+        if self.profiler is not None:
+            self.profiler.mark("verify", num_reqs)
         idx_mapping = input_batch.idx_mapping
         cu = input_batch.cu_num_logits
         has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
@@ -244,6 +251,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         is_profile: bool = False,
     ) -> torch.Tensor:
         num_tokens = input_batch.num_tokens
+        profiler = None if dummy_run else self.profiler
+        if profiler is not None:
+            profiler.mark("propose")
         if aux_hidden_states:
             hidden_states = self.model.combine_hidden_states(
                 torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
@@ -252,6 +262,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             hidden_states = last_hidden_states[:num_tokens].clone()
         if self._pending_compaction and not dummy_run:
             self._compact_accepted_path(input_batch, slot_mappings, hidden_states)
+        if profiler is not None:
+            profiler.mark("compacted")
         self._pending_compaction = False
         self._verified_rows = None
 
@@ -280,7 +292,10 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.depths_by_state[idx_mapping] = self.trees.node_depths[:num_reqs]
             self.valid_by_state[idx_mapping] = self.trees.node_valid[:num_reqs]
             self.tokens_by_state[idx_mapping] = self.trees.node_tokens[:num_reqs]
+        if profiler is not None:
+            profiler.mark("drafted")
         return draft_tokens
+
 
     def _generate_draft(
         self,
@@ -327,6 +342,9 @@ class DDTreeSampler:
         draft_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         sampler = self.sampler
+        profiler = self.speculator.profiler
+        if profiler is not None:
+            profiler.mark("sample")
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
         if sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) != (
             NO_LOGPROBS
@@ -377,6 +395,8 @@ class DDTreeSampler:
             self.tree_depth,
         )
         spec.record_walk(input_batch, walk.accepted_nodes, walk.num_accepted)
+        if profiler is not None:
+            profiler.mark("walked")
 
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             walk.num_output.to(torch.int32),

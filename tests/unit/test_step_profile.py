@@ -1,0 +1,74 @@
+"""StepProfiler's bookkeeping, with fake CUDA events (the real ones need a GPU)."""
+
+import json
+
+import pytest
+
+from vllm_ddtree import step_profile
+from vllm_ddtree.step_profile import MARKS, StepProfiler
+
+
+class FakeClock:
+    now = 0.0
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = FakeClock.now
+
+    def query(self):
+        return self.t is not None
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(step_profile.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(step_profile.torch.cuda, "is_current_stream_capturing", lambda: False)
+    FakeClock.now = 0.0
+
+
+def _step(prof, batch, durations):
+    for mark, d in zip(MARKS, durations):
+        prof.mark(mark, batch if mark == "verify" else None)
+        FakeClock.now += d
+
+
+def test_stages_by_batch_size(fake_cuda, tmp_path):
+    prof = StepProfiler(str(tmp_path / "p.json"), dump_every=2)
+    # verify->sample 5, sample->walked 1, walked->propose 0.5, propose->compacted 0.25,
+    # compacted->drafted 2, drafted->next verify 0.25: a step of 9 ms.
+    for _ in range(3):
+        _step(prof, 4, [5, 1, 0.5, 0.25, 2, 0.25])
+    _step(prof, 16, [7, 1, 0.5, 0.25, 2, 0.25])
+    prof.mark("verify", 16)  # closes the batch-16 step
+    summary = prof.summary()
+    b4 = summary["by_batch_size"]["4"]
+    assert b4["verify_forward"]["mean"] == 5
+    assert b4["draft_tree"]["mean"] == 2
+    assert b4["step"]["mean"] == 9 and b4["step"]["n"] == 3
+    assert summary["by_batch_size"]["16"]["step"]["mean"] == 11
+    assert summary["measured_steps"] == 4
+    dumped = json.loads((tmp_path / "p.json").read_text())
+    assert dumped["measured_steps"] == 4
+
+
+def test_unfinished_events_wait(fake_cuda, tmp_path, monkeypatch):
+    prof = StepProfiler(str(tmp_path / "p.json"))
+    _step(prof, 1, [1, 1, 1, 1, 1, 1])
+    monkeypatch.setattr(FakeEvent, "query", lambda self: False)  # GPU still busy
+    prof.mark("verify", 1)
+    assert prof.measured == 0 and len(prof.pending) == 1
+    monkeypatch.setattr(FakeEvent, "query", lambda self: True)
+    prof._resolve()
+    assert prof.measured == 1 and not prof.pending
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(step_profile.ENV, raising=False)
+    assert StepProfiler.from_env() is None

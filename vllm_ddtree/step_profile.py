@@ -1,0 +1,117 @@
+"""Per-stage GPU times of DDTree decode steps, from CUDA events (opt-in).
+
+Set ``VLLM_DDTREE_PROFILE=<path.json>`` to turn it on. The speculator then records a
+CUDA event at each stage boundary of a step (no host sync: events are read only
+when they have completed, a few steps later) and rewrites ``path.json`` every 50
+measured steps with per-stage means and percentiles, in milliseconds of the GPU's
+timeline:
+
+    verify_forward   target forward over the trees (+ logits)   mark verify -> sample
+    sample_walk      one target sample per node + the tree walk  sample -> walked
+    runner_gap       the runner's bookkeeping between the two    walked -> propose
+    compaction       accepted path's KV / hidden states / pos.   propose -> compacted
+    draft_tree       DFlash drafter pass + best-first tree build  compacted -> drafted
+    step             one whole step (verify to next verify)       verify -> next verify
+
+When the CPU falls behind, the GPU idles between events and the gap lands in the
+stage that waited, so ``step`` minus the stages is host overhead. Off (the default),
+it costs one environment lookup at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+
+import torch
+
+MARKS = ("verify", "sample", "walked", "propose", "compacted", "drafted")
+STAGES = (
+    ("verify_forward", "verify", "sample"),
+    ("sample_walk", "sample", "walked"),
+    ("runner_gap", "walked", "propose"),
+    ("compaction", "propose", "compacted"),
+    ("draft_tree", "compacted", "drafted"),
+)
+ENV = "VLLM_DDTREE_PROFILE"
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round((len(xs) - 1) * q / 100)))
+    return xs[k]
+
+
+class StepProfiler:
+    """Collects CUDA events per step; resolves them lazily without syncing."""
+
+    def __init__(self, out_path: str, dump_every: int = 50, keep: int = 4096):
+        self.out_path = out_path
+        self.dump_every = dump_every
+        self.keep = keep
+        self.current: dict = {}
+        self.pending: deque[dict] = deque()
+        # batch size (requests in the step) -> stage -> times in ms
+        self.times: dict[int, dict[str, list[float]]] = {}
+        self.measured = 0
+        self.info: dict = {}
+
+    @classmethod
+    def from_env(cls) -> "StepProfiler | None":
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def mark(self, name: str, num_reqs: int | None = None) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        if name == "verify":
+            # This verify event ends the previous step.
+            if "verify" in self.current:
+                self.current["end"] = ev
+                self.pending.append(self.current)
+            self.current = {"num_reqs": num_reqs or 0}
+            self._resolve()
+        self.current[name] = ev
+
+    def _resolve(self) -> None:
+        # A step is resolved once the event that ends it has completed on the GPU.
+        while self.pending:
+            step = self.pending[0]
+            end = step["end"]
+            if not end.query():
+                return
+            self.pending.popleft()
+            times = self.times.setdefault(step["num_reqs"], {})
+            for name, a, b in STAGES:
+                if a in step and b in step:
+                    times.setdefault(name, []).append(step[a].elapsed_time(step[b]))
+            times.setdefault("step", []).append(step["verify"].elapsed_time(end))
+            self.measured += 1
+            for xs in times.values():
+                if len(xs) > self.keep:
+                    del xs[: len(xs) - self.keep]
+            if self.measured % self.dump_every == 0:
+                self.dump()
+
+    def summary(self) -> dict:
+        out = {"measured_steps": self.measured, **self.info, "by_batch_size": {}}
+        for batch, times in sorted(self.times.items()):
+            out["by_batch_size"][str(batch)] = {
+                name: {
+                    "mean": round(sum(xs) / len(xs), 4),
+                    "p50": round(_percentile(xs, 50), 4),
+                    "p90": round(_percentile(xs, 90), 4),
+                    "n": len(xs),
+                }
+                for name, xs in times.items() if xs
+            }
+        return out
+
+    def dump(self) -> None:
+        tmp = self.out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.summary(), f, indent=1)
+        os.replace(tmp, self.out_path)
