@@ -185,3 +185,14 @@ def test_installed_vllm_carries_this_series():
         f"{site}/vllm carries series {m['series_sha256'][:12]}, patches/ is "
         f"{manifest.series_hash(PATCHES)[:12]}: run ./apply.sh --revert && ./apply.sh")
     assert manifest.changed_since_apply(site, m) == []
+
+
+def test_installed_vllm_exposes_its_series():
+    """Patch core_series-manifest: the patched vLLM returns the manifest as
+    vllm.ddtree_series (what the engine logs at start-up and operators check)."""
+    _, site = installed_vllm()
+    m = manifest.load_manifest(site / "vllm")
+    if m is None:
+        pytest.skip(f"{site}/vllm is not patched (run ./apply.sh)")
+    import vllm
+    assert vllm.ddtree_series == m
