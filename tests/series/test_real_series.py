@@ -25,8 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"
 PINS = dict(line.split("=", 1) for line in (REPO / "UPSTREAM").read_text().splitlines()
             if line.strip() and not line.startswith("#") and "=" in line)
-TEXT_SUFFIXES = {".py", ".pyi", ".json", ".jinja", ".md", ".txt", ".ini", ".toml",
-                 ".yaml", ".yml", ".cfg", ".typed", ".sh"}
 
 
 def _manifest_module():
@@ -38,6 +36,22 @@ def _manifest_module():
 
 
 manifest = _manifest_module()
+
+
+def _tool_module():
+    import importlib.machinery
+    import sys
+    loader = importlib.machinery.SourceFileLoader("series_tool_real",
+                                                  str(REPO / "tools" / "series"))
+    spec = importlib.util.spec_from_loader("series_tool_real", loader)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["series_tool_real"] = mod
+    loader.exec_module(mod)
+    return mod
+
+
+# the same text files tools/series imports from the wheel
+TEXT_SUFFIXES = _tool_module().TEXT_SUFFIXES
 
 
 def record_sha256(value: str) -> str:
@@ -171,3 +185,14 @@ def test_installed_vllm_carries_this_series():
         f"{site}/vllm carries series {m['series_sha256'][:12]}, patches/ is "
         f"{manifest.series_hash(PATCHES)[:12]}: run ./apply.sh --revert && ./apply.sh")
     assert manifest.changed_since_apply(site, m) == []
+
+
+def test_installed_vllm_exposes_its_series():
+    """Patch core_series-manifest: the patched vLLM returns the manifest as
+    vllm.ddtree_series (what the engine logs at start-up and operators check)."""
+    _, site = installed_vllm()
+    m = manifest.load_manifest(site / "vllm")
+    if m is None:
+        pytest.skip(f"{site}/vllm is not patched (run ./apply.sh)")
+    import vllm
+    assert vllm.ddtree_series == m

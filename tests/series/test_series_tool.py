@@ -93,6 +93,8 @@ def exported(fake_pin, run_series, kit):
     assert r.returncode == 0, r.stderr
     r = run_series(*series_args(pin, "docs"))
     assert r.returncode == 0, r.stderr
+    (pin["patches"].parent / "tests").mkdir()
+    (pin["patches"].parent / "tests" / "test_x.py").write_text("")  # the Tested-By target
     return pin
 
 
@@ -180,6 +182,7 @@ def test_lint_and_docs_on_a_good_series(exported, run_series):
     ("not-exported", "not written by tools/series export"),
     ("outside-vllm", "not under vllm/"),
     ("short-index", "abbreviated 'index' lines"),
+    ("tested-by", "Tested-By names tests/test_x.py, which does not exist"),
     ("missing", "does not exist"),
 ])
 def test_lint_catches(exported, run_series, breakage, message):
@@ -204,6 +207,8 @@ def test_lint_catches(exported, run_series, breakage, message):
     elif breakage == "short-index":
         first.write_text(re.sub(r"^index ([0-9a-f]{7})[0-9a-f]{33}\.\.([0-9a-f]{7})[0-9a-f]{33}",
                                 r"index \1..\2", text, flags=re.M))
+    elif breakage == "tested-by":
+        (patches.parent / "tests" / "test_x.py").unlink()
     elif breakage == "missing":
         first.unlink()
     r = run_series(*series_args(pin, "lint"))
