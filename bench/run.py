@@ -142,7 +142,7 @@ SUITES: dict[str, Suite] = {
         dtype="float32",
     ),
     "cost8b": Suite(
-        configs=["no-spec", "dflash", "ddtree-b16", "ddtree-b32", "ddtree-b64"],
+        configs=["dflash", "ddtree-b64-t128", "ddtree-b64", "no-spec"],
         batch_sizes=[1, 4, 16, 64],
         prompt_sets=["random"],
         temperatures=[0.0],
@@ -354,7 +354,17 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
     )
     if suite.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
-    return LLM(**kw)
+    profile = None
+    if args.profile_dir and cfg.method == "ddtree":
+        # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile); the engine
+        # core runs in this process, so the speculator reads this variable.
+        os.makedirs(args.profile_dir, exist_ok=True)
+        profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{cfg.name}.json")
+        os.environ["VLLM_DDTREE_PROFILE"] = profile
+    try:
+        return LLM(**kw), profile
+    finally:
+        os.environ.pop("VLLM_DDTREE_PROFILE", None)
 
 
 def _free(llm) -> None:
@@ -435,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-estimate-s", type=float, default=60.0,
                     help="time an engine and its cells are assumed to need, for the budget")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (needs matplotlib)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="record DDTree per-stage step times (VLLM_DDTREE_PROFILE) here")
     args = ap.parse_args(argv)
 
     suite = SUITES[args.suite]
@@ -488,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t_engine = time.time()
         try:
-            llm = _engine(args, suite, target, drafter, cfg)
+            llm, profile = _engine(args, suite, target, drafter, cfg)
         except Exception as exc:  # record and go on with the next config
             rec.doc["engines"].append({"config": cfg.name, "error": repr(exc)[:2000]})
             rec.save()
@@ -526,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                         "output_tokens_per_s", "time_per_output_token_ms", "greedy_match")}),
                         flush=True)
         eng["engine_s"] = round(time.time() - t_engine, 1)
+        if profile and os.path.exists(profile):
+            with open(profile) as f:
+                eng["step_profile"] = json.load(f)
         rec.doc["engines"].append(eng)
         rec.save()
         _free(llm)
