@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int)
     ap.add_argument("--dtype")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (correctness runs)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="default: 0.2 (fixture, ci), 0.4 (cost8b)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--time-budget-s", type=float, default=0.0,
                     help="skip engines that would start after this many seconds (0: no limit)")
@@ -458,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(b < 1 for b in suite.batch_sizes):
         raise SystemExit("--batch-sizes must be >= 1")
 
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.4 if suite.dummy else 0.2
     t_start = time.time()
     if suite.dummy:
         target, drafter = make_8b_models(tempfile.mkdtemp())
