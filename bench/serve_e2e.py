@@ -1,0 +1,1082 @@
+"""End-to-end check of the OpenAI-compatible server with DDTree speculative decoding.
+
+Run once on a GPU host (no internet), e.g.::
+
+    PYTHONPATH=.:/opt/vllm-site python3 bench/serve_e2e.py \\
+        --target /opt/smollm2-hf --drafter bench/fixture/smollm2-dflash \\
+        --out $OUT/serve-e2e.json --log-dir $OUT
+
+Phases, each bounded by the overall ``--time-budget`` (a watchdog thread kills every
+process this script started and writes what it has if the budget is overrun):
+
+1. ``bad_configs``: ``vllm serve`` with two invalid DDTree speculative configs must exit
+   non-zero quickly with a message naming the setting (they fail in config validation,
+   before any GPU work).
+2. ``startup``: the real server (DDTree, budget ``--budget``) until ``/health`` is 200.
+3. ``endpoints``: /health, /v1/models, completions and chat completions, each
+   non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
+   the ``vllm:spec_decode*`` Prometheus counters (mean acceptance length
+   = 1 + accepted / drafts).
+4. ``bad_requests``: what DDTree refuses per request (logprobs, penalties, structured
+   outputs) and plain bad requests get a 4xx with a message; the server stays healthy.
+5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
+   ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
+   output tokens/s recorded, token ids kept (``return_token_ids``).
+6. ``offline``: after the server is stopped, the same prompts (the server's prompt
+   token ids) through ``vllm.LLM`` without speculation; greedy outputs compared token
+   for token. This runs in a child process of this script (``--offline-worker``) so
+   that its wait is bounded and the parent never initialises CUDA; a mismatch is
+   reported, and is a failure only with ``--strict-greedy``.
+
+Everything goes to ``--out`` (JSON); server output goes to ``--log-dir``. Exit status:
+0 when every hard check passed, 1 otherwise, 2 when the watchdog fired.
+
+The HTTP client side uses only the standard library (urllib) for the sequential checks
+and aiohttp for the concurrent load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+SERVED_MODEL_NAME = "smollm2"
+SERVER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+# The module behind the `vllm` console script in vLLM 0.26.0.
+DEFAULT_SERVER_PREFIX = ("{python}", "-m", "vllm.entrypoints.cli.main")
+# Extra seconds the watchdog allows past --time-budget (phases are already cut to the
+# budget; this covers stopping processes). The variable exists for the tests.
+WATCHDOG_GRACE_S = float(os.environ.get("SERVE_E2E_WATCHDOG_GRACE_S", "60"))
+
+# --------------------------------------------------------------------------- prompts
+_TEMPLATES = (
+    "Write a short paragraph explaining {}.",
+    "Here are three interesting facts about {}:\n1.",
+    "Q: What is the most important thing to know about {}?\nA:",
+    "Explain {} to a ten-year-old child.",
+)
+_SUBJECTS = (
+    "photosynthesis", "the French Revolution", "black holes", "the water cycle",
+    "machine learning", "the Roman Empire", "volcanoes", "the stock market",
+    "honey bees", "the internet", "climate change", "the human heart",
+    "electric cars", "the Moon landing", "coffee", "the printing press",
+    "earthquakes", "vaccines", "the Great Wall of China", "rainbows",
+    "compound interest", "the Olympic Games", "DNA", "penguins",
+)
+_CODE_PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_prime(n: int) -> bool:\n",
+    "# Python function that reverses a linked list\ndef reverse_list(head):\n",
+    "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",
+    "def binary_search(arr, target):\n",
+    "// JavaScript: debounce a function\nfunction debounce(fn, ms) {\n",
+    "def count_words(text: str) -> dict[str, int]:\n",
+    "import json\n\ndef load_config(path):\n",
+    "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):\n",
+    "SELECT name, COUNT(*) AS orders\nFROM customers\n",
+    "def flatten(nested):\n    \"\"\"Flatten a nested list.\"\"\"\n",
+    "#include <stdio.h>\n\nint main(void) {\n",
+    "def gcd(a, b):\n",
+    "def quicksort(xs):\n",
+    "def parse_csv_line(line):\n",
+    "fn factorial(n: u64) -> u64 {\n",
+)
+
+
+def builtin_prompts() -> list[str]:
+    """Distinct English and code prompts: 4 templates x 24 subjects + 16 code = 112,
+    plus numbered variants of the code prompts when more are asked for."""
+    prompts = [t.format(s) for s in _SUBJECTS for t in _TEMPLATES]
+    prompts += list(_CODE_PROMPTS)
+    return prompts
+
+
+def select_prompts(n: int, prompts_file: str | None = None) -> tuple[list[str], str]:
+    """``n`` prompts, distinct where possible: from a JSONL file (keys
+    ``completion_prompt``, ``prompt`` or ``text``, first found) or the built-in set.
+    When the source has fewer distinct prompts, a numbered prefix keeps them distinct."""
+    if prompts_file:
+        base, source = [], f"file:{prompts_file}"
+        with open(prompts_file) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                row = json.loads(line)
+                text = row if isinstance(row, str) else next(
+                    (row[k] for k in ("completion_prompt", "prompt", "text") if row.get(k)), None
+                )
+                if text and text not in base:
+                    base.append(text)
+        if not base:
+            raise ValueError(f"no prompts in {prompts_file}")
+    else:
+        base, source = builtin_prompts(), "builtin"
+    out = []
+    for i in range(n):
+        text = base[i % len(base)]
+        if i >= len(base):
+            text = f"Example {i // len(base)}.\n{text}"
+        out.append(text)
+    return out, source
+
+
+# --------------------------------------------------------------------------- pure helpers
+class SSEParser:
+    """Incremental parser of a server-sent-event stream as the OpenAI API sends it.
+
+    ``feed(bytes)`` returns the payloads completed by those bytes: decoded JSON objects
+    for ``data: {...}`` lines, and the string ``"[DONE]"`` for the terminator. Lines may
+    be split anywhere across chunks; CRLF and LF endings, comments (``:``) and other
+    fields (``event:``, ``id:``) are accepted and skipped. A ``data:`` line that is not
+    JSON is returned as ``{"_unparsed": text}`` so that the caller can count it as an
+    error instead of losing it.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._buf += chunk
+        events = []
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                break
+            raw, self._buf = self._buf[:nl], self._buf[nl + 1:]
+            event = self._line(raw.rstrip(b"\r").decode("utf-8", errors="replace"))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> list[Any]:
+        """Payload of a last line that had no newline, if any."""
+        rest, self._buf = self._buf, b""
+        event = self._line(rest.rstrip(b"\r").decode("utf-8", errors="replace"))
+        return [event] if event is not None else []
+
+    def _line(self, line: str) -> Any:
+        if not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if not data:
+            return None
+        if data == "[DONE]":
+            self.done = True
+            return "[DONE]"
+        try:
+            return json.loads(data)
+        except json.JSONDecodeError:
+            return {"_unparsed": data}
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation (numpy's default method)."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def latency_summary(latencies: list[float]) -> dict:
+    if not latencies:
+        return {"count": 0}
+    return {
+        "count": len(latencies),
+        "mean_s": round(sum(latencies) / len(latencies), 4),
+        "p50_s": round(percentile(latencies, 50), 4),
+        "p90_s": round(percentile(latencies, 90), 4),
+        "p99_s": round(percentile(latencies, 99), 4),
+        "max_s": round(max(latencies), 4),
+    }
+
+
+def parse_prometheus(text: str, prefix: str = "") -> tuple[list[str], dict[str, float]]:
+    """Sample lines starting with ``prefix`` and, per metric name, the sum of their
+    values over all label sets (``_created`` timestamps are skipped in the sums)."""
+    lines, sums = [], {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or not line.startswith(prefix):
+            continue
+        lines.append(line)
+        if "{" in line:
+            name = line[: line.index("{")]
+            rest = line[line.rindex("}") + 1:].split()
+        else:
+            name, *rest = line.split()
+        if not rest or name.endswith("_created"):
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        sums[name] = sums.get(name, 0.0) + value
+    return lines, sums
+
+
+def spec_decode_summary(metrics_text: str) -> dict:
+    """The ``vllm:spec_decode*`` lines, the draft/accept counters and the mean
+    acceptance length 1 + accepted / drafts (tokens gained per verification step)."""
+    lines, sums = parse_prometheus(metrics_text, "vllm:spec_decode")
+
+    def counter(base: str) -> float | None:
+        for name in (base + "_total", base):
+            if name in sums:
+                return sums[name]
+        return None
+
+    drafts = counter("vllm:spec_decode_num_drafts")
+    accepted = counter("vllm:spec_decode_num_accepted_tokens")
+    draft_tokens = counter("vllm:spec_decode_num_draft_tokens")
+    summary = {
+        "lines": lines,
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": None,
+        "counters_positive": bool(drafts and accepted and drafts > 0 and accepted > 0),
+    }
+    if drafts:
+        summary["mean_acceptance_length"] = round(1.0 + (accepted or 0.0) / drafts, 4)
+    return summary
+
+
+def error_message(body: str) -> str:
+    """The human-readable message of an error response (OpenAI, vLLM or FastAPI shape)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, TypeError):
+        return (body or "").strip()[:500]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:1000]
+        if isinstance(err, str) and err:
+            return err[:1000]
+        for key in ("message", "detail"):
+            if data.get(key):
+                value = data[key]
+                return (value if isinstance(value, str) else json.dumps(value))[:1000]
+    return json.dumps(data)[:500]
+
+
+def compare_greedy(server: list[list[int]], offline: list[list[int]]) -> dict:
+    """Token-for-token comparison; the first differing request and position."""
+    identical = 0
+    first = None
+    for i, (a, b) in enumerate(zip(server, offline)):
+        if a == b:
+            identical += 1
+            continue
+        if first is None:
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"request": i, "position": pos,
+                     "server": a[max(0, pos - 2): pos + 6], "offline": b[max(0, pos - 2): pos + 6],
+                     "server_len": len(a), "offline_len": len(b)}
+    total = max(len(server), len(offline))
+    return {"identical": identical, "total": total, "all_identical": identical == total and total > 0,
+            "first_difference": first}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: str, n_chars: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n_chars))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<cannot read {path}: {exc}>"
+
+
+# --------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target model directory (HF, with chat template)")
+    p.add_argument("--drafter", help="DFlash drafter directory")
+    p.add_argument("--out", help="result JSON path")
+    p.add_argument("--log-dir", default=None, help="server logs go here (default: next to --out)")
+    p.add_argument("--time-budget", type=float, default=420.0, help="overall seconds (default 420)")
+    p.add_argument("--budget", type=int, default=32, help="DDTree tree budget (num_speculative_tokens)")
+    p.add_argument("--max-depth", type=int, default=None, help="ddtree_max_depth (default: drafter's)")
+    p.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--bad-config-timeout", type=float, default=120.0)
+    p.add_argument("--request-timeout", type=float, default=60.0, help="per request, seconds")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", default=None, help="JSONL prompts (default: built-in set)")
+    p.add_argument("--strict-greedy", action="store_true", help="fail on any greedy mismatch")
+    p.add_argument("--skip-bad-configs", action="store_true")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--offline-timeout", type=float, default=240.0)
+    p.add_argument("--server-cmd", default=None,
+                   help="command prefix replacing `python -m vllm.entrypoints.cli.main` "
+                        "(shell words; tests point it at a fake server)")
+    p.add_argument("--offline-worker", nargs=2, metavar=("SPEC_JSON", "OUT_JSON"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.offline_worker:
+        return args
+    missing = [f"--{n}" for n in ("target", "drafter", "out") if not getattr(args, n)]
+    if missing:
+        p.error("required: " + ", ".join(missing))
+    for name in ("time_budget", "startup_timeout", "request_timeout", "bad_config_timeout"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("concurrency", "num_requests", "max_tokens", "budget"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.log_dir is None:
+        args.log_dir = os.path.dirname(os.path.abspath(args.out))
+    return args
+
+
+def speculative_config(drafter: str, budget: int, **extra) -> dict:
+    config = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    config.update({k: v for k, v in extra.items() if v is not None})
+    return config
+
+
+def bad_speculative_configs(drafter: str) -> list[dict]:
+    """Two configs vllm_ddtree.config refuses at startup, with a regex-free needle
+    that the refusal message contains (it names the setting and the value)."""
+    return [
+        {"name": "max_depth_beyond_block",
+         "config": speculative_config(drafter, 32, ddtree_max_depth=16),
+         "needle": "ddtree_max_depth=16"},
+        {"name": "budget_above_512",
+         "config": speculative_config(drafter, 513),
+         "needle": "num_speculative_tokens (tree budget)=513"},
+    ]
+
+
+def server_prefix(server_cmd: str | None) -> list[str]:
+    if server_cmd:
+        return shlex.split(server_cmd)
+    return [w.format(python=sys.executable) for w in DEFAULT_SERVER_PREFIX]
+
+
+def serve_command(prefix: list[str], target: str, spec: dict, port: int, *,
+                  gpu_memory_utilization: float = 0.25, max_model_len: int = 2048) -> list[str]:
+    return prefix + [
+        "serve", target,
+        "--speculative-config", json.dumps(spec),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--gpu-memory-utilization", str(gpu_memory_utilization),
+        "--max-model-len", str(max_model_len),
+        "--enforce-eager", "--seed", "0",
+        "--served-model-name", SERVED_MODEL_NAME,
+    ]
+
+
+# --------------------------------------------------------------------------- processes
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.end = self.start + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def bound(self, seconds: float) -> float:
+        """``seconds``, cut to what is left of the budget (at least 1 s)."""
+        return max(1.0, min(seconds, self.left()))
+
+
+class ProcessRegistry:
+    """Every child process group this script starts, so that the ``finally`` blocks
+    and the watchdog can end them (only them) by process group id."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    def start(self, argv: list[str], *, env: dict, stdout, stderr) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        with self._lock:
+            self._procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def stop(self, proc: subprocess.Popen, term_wait: float = 30.0) -> dict:
+        """SIGTERM the process group, wait, then SIGKILL whatever is left."""
+        pgid = proc.pid
+        info = {"pid": proc.pid, "sigkill": False}
+        t = time.monotonic()
+        if proc.poll() is None or self._group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            end = time.monotonic() + term_wait
+            while time.monotonic() < end:
+                proc.poll()
+                if proc.returncode is not None and not self._group_alive(pgid):
+                    break
+                time.sleep(0.2)
+            if proc.poll() is None or self._group_alive(pgid):
+                info["sigkill"] = True
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        info["returncode"] = proc.poll()
+        info["stop_s"] = round(time.monotonic() - t, 2)
+        with self._lock:
+            if proc in self._procs:
+                self._procs.remove(proc)
+        return info
+
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.update(SERVER_ENV)
+    return env
+
+
+# --------------------------------------------------------------------------- HTTP (sync)
+@dataclass
+class Reply:
+    status: int
+    body: str
+    seconds: float
+    error: str | None = None
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except (json.JSONDecodeError, TypeError):
+            return None
+
+
+def http(method: str, url: str, body: Any = None, *, raw: bytes | None = None,
+         timeout: float = 30.0) -> Reply:
+    """One request; never raises for HTTP or connection errors (status 0 = no reply)."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    t = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Reply(resp.status, resp.read().decode("utf-8", "replace"), time.monotonic() - t)
+    except urllib.error.HTTPError as exc:
+        try:
+            text = exc.read().decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - a broken body is still an HTTP error
+            text = ""
+        return Reply(exc.code, text, time.monotonic() - t)
+    except Exception as exc:  # noqa: BLE001 - connection refused, timeout, reset...
+        return Reply(0, "", time.monotonic() - t, error=repr(exc))
+
+
+def http_stream(url: str, body: dict, *, timeout: float = 60.0) -> dict:
+    """POST a ``stream: true`` request; returns status, events and whether [DONE] came."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    parser, events = SSEParser(), []
+    t = time.monotonic()
+    end = t + timeout
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status = resp.status
+            while time.monotonic() < end:
+                line = resp.readline()
+                if not line:
+                    break
+                events += parser.feed(line)
+                if parser.done:
+                    break
+            events += parser.close()
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "events": [], "done": False,
+                "error": error_message(exc.read().decode("utf-8", "replace")),
+                "seconds": time.monotonic() - t}
+    except Exception as exc:  # noqa: BLE001
+        return {"status": 0, "events": events, "done": parser.done, "error": repr(exc),
+                "seconds": time.monotonic() - t}
+    return {"status": status, "events": events, "done": parser.done, "error": None,
+            "seconds": time.monotonic() - t}
+
+
+def stream_completion_text(events: list) -> tuple[str, list[int], list[int] | None, dict | None]:
+    """Text, generated token ids, prompt token ids and usage of a streamed completion."""
+    text, ids, prompt_ids, usage = [], [], None, None
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        usage = ev.get("usage") or usage
+        for choice in ev.get("choices") or []:
+            text.append(choice.get("text") or "")
+            ids += choice.get("token_ids") or []
+            if choice.get("prompt_token_ids"):
+                prompt_ids = choice["prompt_token_ids"]
+    return "".join(text), ids, prompt_ids, usage
+
+
+def stream_chat_text(events: list) -> str:
+    parts = []
+    for ev in events:
+        if isinstance(ev, dict):
+            for choice in ev.get("choices") or []:
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    args: argparse.Namespace
+    deadline: Deadline
+    procs: ProcessRegistry = field(default_factory=ProcessRegistry)
+    result: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self, phase: str, name: str, ok: bool, **detail) -> bool:
+        entry = {"name": name, "ok": bool(ok), **detail}
+        with self.lock:
+            self.result.setdefault("checks", {}).setdefault(phase, []).append(entry)
+            if not ok:
+                self.failures.append(f"{phase}/{name}")
+        print(f"[{'ok' if ok else 'FAIL'}] {phase}/{name}"
+              + (f": {detail.get('message') or detail.get('error') or ''}" if not ok else ""),
+              flush=True)
+        return bool(ok)
+
+    def write(self) -> None:
+        with self.lock:
+            self.result["failures"] = list(self.failures)
+            self.result["passed"] = not self.failures
+            self.result["elapsed_s"] = round(time.monotonic() - self.deadline.start, 1)
+            text = json.dumps(self.result, indent=2, default=str)
+        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+        tmp = self.args.out + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.args.out)
+
+
+def probe_vllm(run: Run) -> None:
+    """vLLM version and DDTree series, read in a child so this process stays CUDA-free."""
+    code = ("import json, vllm; print(json.dumps({'vllm_version': vllm.__version__, "
+            "'ddtree_series': getattr(vllm, 'ddtree_series', None)}))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=run.deadline.bound(90), env=child_env())
+        # vLLM may log to stdout as well: take the last line that is a JSON object.
+        line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{"))
+        info = json.loads(line)
+    except Exception as exc:  # noqa: BLE001 - informative; the server run decides
+        info = {"vllm_version": None, "ddtree_series": None, "probe_error": repr(exc)}
+    run.result.update(info)
+    run.check("setup", "ddtree_series_present", bool(info.get("ddtree_series")),
+              message="vllm.ddtree_series is not set: the series is not applied")
+
+
+def run_bad_configs(run: Run, prefix: list[str]) -> None:
+    """Start the server with each invalid config (in parallel); each must exit non-zero
+    within the timeout and name the setting in its output."""
+    args = run.args
+    started = []
+    for bad in bad_speculative_configs(args.drafter):
+        log_path = os.path.join(args.log_dir, f"bad-config-{bad['name']}.log")
+        cmd = serve_command(prefix, args.target, bad["config"], free_port(),
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_model_len)
+        log = open(log_path, "wb")
+        proc = run.procs.start(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        started.append((bad, cmd, proc, log, log_path, time.monotonic()))
+    end = time.monotonic() + run.deadline.bound(args.bad_config_timeout)
+    records = []
+    for bad, cmd, proc, log, log_path, t0 in started:
+        timed_out = False
+        try:
+            proc.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        stop = run.procs.stop(proc, term_wait=5)
+        log.close()
+        output = tail(log_path, 200_000)
+        message = next((ln.strip() for ln in output.splitlines() if bad["needle"] in ln), None)
+        rc = proc.returncode
+        record = {"name": bad["name"], "config": bad["config"], "command": shlex.join(cmd),
+                  "returncode": rc, "timed_out": timed_out,
+                  "seconds": round(time.monotonic() - t0, 1), "message": message,
+                  "log": log_path, "stop": stop}
+        if message is None:
+            record["log_tail"] = output[-3000:]
+        records.append(record)
+        run.check("bad_configs", bad["name"], not timed_out and rc not in (0, None) and message is not None,
+                  returncode=rc, timed_out=timed_out, message=message or f"'{bad['needle']}' not in output")
+    run.result["bad_configs"] = records
+
+
+def wait_healthy(run: Run, proc: subprocess.Popen, base: str, timeout: float,
+                 stderr_path: str) -> bool:
+    t0 = time.monotonic()
+    end = t0 + run.deadline.bound(timeout)
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            run.result["startup"] = {"ok": False, "returncode": proc.returncode,
+                                     "seconds": round(time.monotonic() - t0, 1),
+                                     "log_tail": tail(stderr_path)}
+            run.check("startup", "server_healthy", False,
+                      message=f"server exited with {proc.returncode} before /health was 200")
+            return False
+        if http("GET", base + "/health", timeout=5).status == 200:
+            run.result["startup"] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
+            return run.check("startup", "server_healthy", True)
+        time.sleep(1.0)
+    run.result["startup"] = {"ok": False, "timed_out": True,
+                             "seconds": round(time.monotonic() - t0, 1), "log_tail": tail(stderr_path)}
+    run.check("startup", "server_healthy", False, message=f"/health not 200 within {timeout:.0f} s")
+    return False
+
+
+def check_endpoints(run: Run, base: str) -> None:
+    to = run.args.request_timeout
+    r = http("GET", base + "/health", timeout=10)
+    run.check("endpoints", "health", r.status == 200, status=r.status, error=r.error)
+
+    r = http("GET", base + "/v1/models", timeout=10)
+    ids = [m.get("id") for m in ((r.json() or {}).get("data") or []) if isinstance(m, dict)]
+    run.check("endpoints", "models", r.status == 200 and SERVED_MODEL_NAME in ids,
+              status=r.status, models=ids, message=f"models={ids}")
+
+    prompt = "The capital of France is"
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 32,
+            "temperature": 0, "return_token_ids": True}
+    r = http("POST", base + "/v1/completions", body, timeout=to)
+    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+    text, ids = choice.get("text"), choice.get("token_ids")
+    run.check("endpoints", "completion", r.status == 200 and bool(text), status=r.status,
+              text=text, token_ids=ids, message=error_message(r.body) if r.status != 200 else None)
+
+    s = http_stream(base + "/v1/completions", dict(body, stream=True,
+                    stream_options={"include_usage": True}), timeout=to)
+    s_text, s_ids, _, usage = stream_completion_text(s["events"])
+    run.check("endpoints", "completion_stream", s["status"] == 200 and s["done"] and bool(s_text),
+              status=s["status"], done=s["done"], text=s_text, usage=usage, error=s["error"])
+    same = s_text == text and (ids is None or not s_ids or s_ids == ids)
+    run.check("endpoints", "completion_stream_equals_nonstream", same,
+              message=None if same else f"stream {s_text!r} vs non-stream {text!r}")
+
+    chat = {"model": SERVED_MODEL_NAME, "max_tokens": 32, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name three primary colors."}]}
+    r = http("POST", base + "/v1/chat/completions", chat, timeout=to)
+    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+    c_text = (choice.get("message") or {}).get("content")
+    run.check("endpoints", "chat", r.status == 200 and bool(c_text), status=r.status, text=c_text,
+              message=error_message(r.body) if r.status != 200 else None)
+    s = http_stream(base + "/v1/chat/completions", dict(chat, stream=True), timeout=to)
+    sc_text = stream_chat_text(s["events"])
+    run.check("endpoints", "chat_stream", s["status"] == 200 and s["done"] and bool(sc_text),
+              status=s["status"], done=s["done"], text=sc_text, error=s["error"])
+    run.check("endpoints", "chat_stream_equals_nonstream", sc_text == c_text,
+              message=None if sc_text == c_text else f"stream {sc_text!r} vs non-stream {c_text!r}")
+
+    check_metrics(run, base, "after_endpoints", hard=False)
+
+
+def check_metrics(run: Run, base: str, label: str, hard: bool) -> dict:
+    """Spec-decode counters; stats reach Prometheus asynchronously, so retry briefly."""
+    summary: dict = {}
+    for _ in range(5):
+        r = http("GET", base + "/metrics", timeout=10)
+        summary = spec_decode_summary(r.body if r.status == 200 else "")
+        summary["status"] = r.status
+        if summary["counters_positive"]:
+            break
+        time.sleep(1.0)
+    run.result.setdefault("spec_decode_metrics", {})[label] = summary
+    if hard:
+        run.check("endpoints", "spec_decode_counters_positive", summary["counters_positive"],
+                  num_drafts=summary["num_drafts"], num_accepted_tokens=summary["num_accepted_tokens"],
+                  mean_acceptance_length=summary["mean_acceptance_length"],
+                  message=f"drafts={summary['num_drafts']} accepted={summary['num_accepted_tokens']}")
+    return summary
+
+
+def bad_requests(model: str) -> list[dict]:
+    """Requests that must get a 4xx: what DDTree refuses, then plain client errors."""
+    base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    return [
+        {"name": "logprobs", "path": "/v1/completions", "body": dict(base, logprobs=2),
+         "expect": 400, "mentions": "logprobs"},
+        {"name": "presence_penalty", "path": "/v1/completions",
+         "body": dict(base, presence_penalty=0.5), "expect": 400, "mentions": "presence_penalty"},
+        {"name": "structured_output_json_schema", "path": "/v1/chat/completions",
+         "body": {"model": model, "max_tokens": 8, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Give me a name as JSON."}],
+                  "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "person", "schema": schema}}},
+         "expect": 400, "mentions": "structured"},
+        {"name": "negative_max_tokens", "path": "/v1/completions", "body": dict(base, max_tokens=-1),
+         "expect": 400, "mentions": "max_tokens"},
+        {"name": "unknown_model", "path": "/v1/completions", "body": dict(base, model="no-such-model"),
+         "expect": 404, "mentions": None},
+        {"name": "malformed_json", "path": "/v1/completions",
+         "raw": b'{"model": "' + model.encode() + b'", "prompt": "Hi", ', "expect": 400,
+         "mentions": None},
+    ]
+
+
+def check_bad_requests(run: Run, base: str) -> None:
+    records = []
+    for bad in bad_requests(SERVED_MODEL_NAME):
+        r = http("POST", base + bad["path"], bad.get("body"), raw=bad.get("raw"),
+                 timeout=run.args.request_timeout)
+        message = error_message(r.body)
+        record = {"name": bad["name"], "status": r.status, "expected_status": bad["expect"],
+                  "message": message, "error": r.error,
+                  "names_setting": (bad["mentions"] in message) if bad["mentions"] else None}
+        records.append(record)
+        # Hard: a 4xx with a message. The exact code and wording are recorded only.
+        run.check("bad_requests", bad["name"], 400 <= r.status < 500 and bool(message),
+                  status=r.status, message=message)
+    run.result["bad_requests"] = records
+    r = http("GET", base + "/health", timeout=10)
+    run.check("bad_requests", "healthy_after", r.status == 200, status=r.status, error=r.error)
+    r = http("POST", base + "/v1/completions",
+             {"model": SERVED_MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 8,
+              "temperature": 0}, timeout=run.args.request_timeout)
+    run.check("bad_requests", "serves_after", r.status == 200, status=r.status,
+              message=error_message(r.body) if r.status != 200 else None)
+
+
+async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int,
+                request_timeout: float) -> tuple[list[dict], float]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=request_timeout)
+    url = base + "/v1/completions"
+
+    async def one(session, i: int, prompt: str) -> dict:
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        rec = {"index": i, "prompt": prompt, "error": None}
+        async with sem:
+            t0 = time.monotonic()
+            try:
+                async with session.post(url, json=body, timeout=timeout) as resp:
+                    if resp.status != 200:
+                        rec["error"] = f"HTTP {resp.status}: {error_message(await resp.text())}"
+                        return rec
+                    parser, events, ttft = SSEParser(), [], None
+                    async for chunk in resp.content.iter_any():
+                        new = parser.feed(chunk)
+                        if ttft is None and any(isinstance(e, dict) and e.get("choices") for e in new):
+                            ttft = time.monotonic() - t0
+                        events += new
+                        if parser.done:
+                            break
+                    events += parser.close()
+            except Exception as exc:  # noqa: BLE001 - counted as a load error
+                rec["error"] = repr(exc)
+                return rec
+            rec["latency_s"] = time.monotonic() - t0
+        rec["ttft_s"] = ttft
+        text, ids, prompt_ids, usage = stream_completion_text(events)
+        rec.update(text=text, token_ids=ids, prompt_token_ids=prompt_ids)
+        n = (usage or {}).get("completion_tokens", len(ids))
+        rec["output_tokens"] = n
+        bad = [e["_unparsed"] for e in events if isinstance(e, dict) and "_unparsed" in e]
+        if not parser.done:
+            rec["error"] = "stream ended without [DONE]"
+        elif bad:
+            rec["error"] = f"unparsable event: {bad[0][:200]}"
+        elif n != max_tokens:
+            rec["error"] = f"{n} output tokens, expected {max_tokens} (ignore_eos)"
+        return rec
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(connector=connector) as session:
+        results = await asyncio.gather(*(one(session, i, p) for i, p in enumerate(prompts)))
+    return list(results), time.monotonic() - t0
+
+
+def run_load(run: Run, base: str) -> list[dict]:
+    args = run.args
+    prompts, source = select_prompts(args.num_requests, args.prompts)
+    limit = run.deadline.bound(max(args.request_timeout * 2, 60) +
+                               args.request_timeout * args.num_requests / args.concurrency)
+    try:
+        results, wall = asyncio.run(asyncio.wait_for(
+            _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
+    except Exception as exc:  # noqa: BLE001 - includes the phase timeout
+        run.check("load", "completed", False, message=repr(exc))
+        return []
+    errors = [r for r in results if r["error"]]
+    ok = [r for r in results if not r["error"]]
+    tokens = sum(r.get("output_tokens") or 0 for r in ok)
+    summary = {
+        "prompt_source": source, "num_requests": len(results), "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "errors": len(errors),
+        "error_samples": [{"index": r["index"], "error": r["error"]} for r in errors[:10]],
+        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+        "latency": latency_summary([r["latency_s"] for r in ok]),
+        "ttft": latency_summary([r["ttft_s"] for r in ok if r.get("ttft_s") is not None]),
+    }
+    run.result["load"] = summary
+    run.check("load", "zero_errors", not errors and len(results) == args.num_requests,
+              errors=len(errors), message=errors[0]["error"] if errors else None)
+    print(f"load: {len(results)} requests, {len(errors)} errors, "
+          f"{summary['output_tokens_per_s']} tok/s, p50 {summary['latency'].get('p50_s')} s, "
+          f"p99 {summary['latency'].get('p99_s')} s", flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------- offline reference
+def offline_worker(spec_path: str, out_path: str) -> int:
+    """Child mode: greedy generation without speculation, same engine settings."""
+    os.environ.update(SERVER_ENV)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with open(spec_path) as f:
+        spec = json.load(f)
+    t0 = time.monotonic()
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["target"], enforce_eager=True,
+              gpu_memory_utilization=spec["gpu_memory_utilization"],
+              max_model_len=spec["max_model_len"], seed=0)
+    init_s = time.monotonic() - t0
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in spec["prompts"]]
+    sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    t1 = time.monotonic()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    result = {"init_s": round(init_s, 1), "generate_s": round(time.monotonic() - t1, 2),
+              "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+              "texts": [o.outputs[0].text for o in outs]}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run_offline(run: Run, load: list[dict]) -> None:
+    args = run.args
+    usable = [r for r in load if not r["error"]]
+    if not usable:
+        run.result["greedy"] = {"skipped": "no successful load requests"}
+        return
+    left = run.deadline.left() - 5
+    if left < 30:
+        run.result["greedy"] = {"skipped": f"only {left:.0f} s of the time budget left"}
+        print("offline reference skipped: time budget spent", flush=True)
+        return
+    spec = {"target": args.target, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
+            "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
+    spec_path = os.path.join(args.log_dir, "offline-spec.json")
+    out_path = os.path.join(args.log_dir, "offline-out.json")
+    log_path = os.path.join(args.log_dir, "offline.log")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--offline-worker", spec_path, out_path]
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = run.procs.start(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=min(args.offline_timeout, left))
+        except subprocess.TimeoutExpired:
+            pass
+        stop = run.procs.stop(proc, term_wait=10)
+    info: dict = {"seconds": round(time.monotonic() - t0, 1), "returncode": proc.returncode,
+                  "log": log_path, "prompts_as_token_ids": all(r["prompt_token_ids"] for r in usable)}
+    if proc.returncode != 0 or not os.path.exists(out_path):
+        info.update(error="offline reference did not finish", log_tail=tail(log_path), stop=stop)
+        run.result["greedy"] = info
+        run.check("greedy", "offline_reference_ran", False, message=info["error"])
+        return
+    with open(out_path) as f:
+        offline = json.load(f)
+    server_ids = [r["token_ids"] for r in usable]
+    cmp = compare_greedy(server_ids, offline["token_ids"])
+    texts_same = sum(r["text"] == t for r, t in zip(usable, offline["texts"]))
+    info.update(cmp, init_s=offline["init_s"], generate_s=offline["generate_s"],
+                identical_texts=texts_same,
+                note="bf16 batched kernels may flip a near-tie argmax; mismatches are "
+                     "reported, and fail the run only with --strict-greedy")
+    if cmp["first_difference"]:
+        i = cmp["first_difference"]["request"]
+        cmp["first_difference"].update(prompt=usable[i]["prompt"][:200],
+                                       server_text=usable[i]["text"][:300],
+                                       offline_text=offline["texts"][i][:300])
+    run.result["greedy"] = info
+    print(f"greedy: {cmp['identical']}/{cmp['total']} identical token sequences", flush=True)
+    if args.strict_greedy:
+        run.check("greedy", "identical_to_no_spec", cmp["all_identical"],
+                  message=f"{cmp['identical']}/{cmp['total']} identical")
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.offline_worker:
+        return offline_worker(*args.offline_worker)
+    os.makedirs(args.log_dir, exist_ok=True)
+    run = Run(args=args, deadline=Deadline(args.time_budget))
+    run.result.update(
+        command=shlex.join([sys.executable] + (sys.argv if argv is None else [__file__] + argv)),
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), time_budget_s=args.time_budget,
+        served_model_name=SERVED_MODEL_NAME, timings={},
+    )
+
+    def watchdog() -> None:
+        run.procs.kill_all()
+        with run.lock:
+            run.failures.append(f"watchdog: time budget {args.time_budget:.0f} s "
+                                f"(+{WATCHDOG_GRACE_S:.0f} s grace) overrun")
+        try:
+            run.write()
+        finally:
+            print("watchdog fired: processes killed, partial results written", flush=True)
+            os._exit(2)
+
+    dog = threading.Timer(args.time_budget + WATCHDOG_GRACE_S, watchdog)
+    dog.daemon = True
+    dog.start()
+
+    prefix = server_prefix(args.server_cmd)
+    server = None
+    load: list[dict] = []
+
+    def phase(name: str, fn, *a):
+        t = time.monotonic()
+        try:
+            return fn(*a)
+        except Exception as exc:  # noqa: BLE001 - a crash in one phase is a failed check
+            run.check(name, "no_exception", False, message=repr(exc))
+            return None
+        finally:
+            run.result["timings"][name + "_s"] = round(time.monotonic() - t, 2)
+            run.write()
+
+    try:
+        if not args.server_cmd:
+            phase("probe", probe_vllm, run)
+        if not args.skip_bad_configs:
+            phase("bad_configs", run_bad_configs, run, prefix)
+
+        port = args.port or free_port()
+        base = f"http://127.0.0.1:{port}"
+        spec = speculative_config(args.drafter, args.budget, ddtree_max_depth=args.max_depth)
+        cmd = serve_command(prefix, args.target, spec, port,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_model_len=args.max_model_len)
+        stdout_path = os.path.join(args.log_dir, "server.stdout.log")
+        stderr_path = os.path.join(args.log_dir, "server.stderr.log")
+        run.result["server"] = {"command": shlex.join(cmd), "env": SERVER_ENV, "base_url": base,
+                                "speculative_config": spec,
+                                "logs": {"stdout": stdout_path, "stderr": stderr_path}}
+        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+            server = run.procs.start(cmd, env=child_env(), stdout=out, stderr=err)
+        healthy = phase("startup", wait_healthy, run, server, base, args.startup_timeout, stderr_path)
+        if healthy:
+            phase("endpoints", check_endpoints, run, base)
+            phase("bad_requests", check_bad_requests, run, base)
+            load = phase("load", run_load, run, base) or []
+            phase("metrics", check_metrics, run, base, "after_load", True)
+        run.result["server"]["stop"] = run.procs.stop(server)
+        server = None
+        if healthy and not args.skip_offline:
+            phase("offline", run_offline, run, load)
+    finally:
+        if server is not None:
+            run.result.setdefault("server", {})["stop"] = run.procs.stop(server)
+        run.procs.kill_all()
+        dog.cancel()
+        run.write()
+
+    print_summary(run.result)
+    return 0 if not run.failures else 1
+
+
+def print_summary(result: dict) -> None:
+    print("=" * 72)
+    for phase, checks in (result.get("checks") or {}).items():
+        good = sum(c["ok"] for c in checks)
+        print(f"{phase:14s} {good}/{len(checks)} ok" +
+              "".join(f"\n    FAIL {c['name']}: {c.get('message') or c.get('error') or ''}"
+                      for c in checks if not c["ok"]))
+    metrics = (result.get("spec_decode_metrics") or {}).get("after_load") or {}
+    if metrics:
+        print(f"spec decode: drafts={metrics.get('num_drafts')} "
+              f"accepted={metrics.get('num_accepted_tokens')} "
+              f"mean acceptance length={metrics.get('mean_acceptance_length')}")
+    load = result.get("load") or {}
+    if load:
+        print(f"load: {load.get('num_requests')} req, errors={load.get('errors')}, "
+              f"{load.get('output_tokens_per_s')} tok/s, p50={load['latency'].get('p50_s')} s, "
+              f"p99={load['latency'].get('p99_s')} s")
+    greedy = result.get("greedy") or {}
+    if greedy:
+        print("greedy vs no-spec: " + (greedy.get("skipped") or greedy.get("error") or
+                                       f"{greedy.get('identical')}/{greedy.get('total')} identical"))
+    print(f"timings: {result.get('timings')}")
+    print("PASSED" if result.get("passed") else f"FAILED: {result.get('failures')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""A stand-in for `vllm serve` used by tests/bench/test_serve_e2e.py (CPU, no model).
+
+Invoked like the vLLM CLI, ``fake_openai_server.py serve TARGET --speculative-config
+JSON --port P ...``, it mimics what bench/serve_e2e.py relies on: refusals of bad DDTree
+configs at startup (exit 1 with vllm_ddtree's wording), /health, /v1/models,
+/v1/completions and /v1/chat/completions (streamed as SSE, with ``return_token_ids``),
+the 4xx answers of the DDTree server, and spec-decode Prometheus counters. Greedy
+"generation" is a deterministic function of the prompt.
+
+FAKE_MODE (environment) injects faults: ``die`` exits at startup, ``no_health`` never
+answers /health with 200, ``logprobs_500`` answers a logprobs request with HTTP 500,
+``short`` stops streams one token early, ``ignore_term`` ignores SIGTERM (so that only
+SIGKILL ends it).
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import zlib
+
+from aiohttp import web
+
+MODE = os.environ.get("FAKE_MODE", "")
+COUNTERS = {"drafts": 0, "accepted": 0}
+
+
+def tokens_for(prompt: str, n: int) -> list[int]:
+    seed = zlib.crc32(prompt.encode())
+    return [(seed + 7 * i) % 1000 for i in range(n)]
+
+
+def text_of(ids) -> str:
+    return "".join(f" t{i}" for i in ids)
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "BadRequestError",
+                                        "code": status}}, status=status)
+
+
+async def read_json(request):
+    try:
+        return json.loads(await request.text()), None
+    except json.JSONDecodeError as exc:
+        return None, error(400, f"JSON decode error: {exc}")
+
+
+def refusal(body: dict, chat: bool):
+    if body.get("model") != request_model:
+        return error(404, f"The model `{body.get('model')}` does not exist.")
+    refused = [k for k in ("logprobs", "presence_penalty") if body.get(k)]
+    if body.get("response_format") or body.get("structured_outputs"):
+        refused.append("structured outputs (guided decoding)")
+    if refused:
+        if MODE == "logprobs_500" and "logprobs" in refused:
+            return web.Response(status=500, text="Internal Server Error")
+        return error(400, "this server decodes with DDTree speculative decoding, which does "
+                          "not support " + ", ".join(refused) + " yet; leave them unset.")
+    if body.get("max_tokens") is not None and body["max_tokens"] < 1:
+        return error(400, f"max_tokens must be at least 1, got {body['max_tokens']}.")
+    return None
+
+
+async def sse(request, chunks):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for chunk in chunks:
+        # Split each event in two writes to exercise partial-line parsing.
+        data = f"data: {json.dumps(chunk)}\n\n".encode()
+        await resp.write(data[:7])
+        await resp.write(data[7:])
+        await asyncio.sleep(0)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request):
+    body, err = await read_json(request)
+    if err:
+        return err
+    err = refusal(body, chat=False)
+    if err:
+        return err
+    n = body.get("max_tokens") or 16
+    ids = tokens_for(body["prompt"], n)
+    prompt_ids = tokens_for("p" + body["prompt"], 5)
+    COUNTERS["drafts"] += 1 + n // 4
+    COUNTERS["accepted"] += n
+    if not body.get("stream"):
+        choice = {"index": 0, "text": text_of(ids), "finish_reason": "length"}
+        if body.get("return_token_ids"):
+            choice.update(token_ids=ids, prompt_token_ids=prompt_ids)
+        return web.json_response({"object": "text_completion", "choices": [choice],
+                                  "usage": {"completion_tokens": n}})
+    if MODE == "short":
+        ids = ids[:-1]
+    chunks = []
+    for k, tok in enumerate(ids):
+        choice = {"index": 0, "text": text_of([tok]), "finish_reason": None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = [tok]
+            if k == 0:
+                choice["prompt_token_ids"] = prompt_ids
+        chunks.append({"choices": [choice]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({"choices": [], "usage": {"completion_tokens": len(ids)}})
+    return await sse(request, chunks)
+
+
+async def chat(request):
+    body, err = await read_json(request)
+    if err:
+        return err
+    err = refusal(body, chat=True)
+    if err:
+        return err
+    ids = tokens_for(body["messages"][-1]["content"], body.get("max_tokens") or 16)
+    if not body.get("stream"):
+        return web.json_response({"choices": [{"index": 0, "message": {
+            "role": "assistant", "content": text_of(ids)}}]})
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": text_of([t])}}]} for t in ids]
+    return await sse(request, chunks)
+
+
+async def health(request):
+    return web.Response(status=503 if MODE == "no_health" else 200)
+
+
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": request_model, "object": "model"}]})
+
+
+async def metrics(request):
+    lines = [
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{request_model}"}} {float(COUNTERS["drafts"])}',
+        f'vllm:spec_decode_num_drafts_created{{engine="0",model_name="{request_model}"}} 1.7e9',
+        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{request_model}"}} {float(COUNTERS["accepted"])}',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="0"}} {float(COUNTERS["drafts"])}',
+        "vllm:num_requests_running 0.0",
+    ]
+    return web.Response(text="\n".join(lines) + "\n")
+
+
+def main():
+    global request_model
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd")
+    p.add_argument("target")
+    p.add_argument("--speculative-config")
+    p.add_argument("--port", type=int)
+    p.add_argument("--host")
+    p.add_argument("--served-model-name")
+    args, _ = p.parse_known_args()
+    spec = json.loads(args.speculative_config)
+    if spec.get("ddtree_max_depth", 15) > 15:
+        sys.exit(f"ValueError: ddtree: ddtree_max_depth={spec['ddtree_max_depth']} is out of "
+                 "range; it must be between 1 and 15.")
+    if spec["num_speculative_tokens"] > 512:
+        sys.exit(f"ValueError: ddtree: num_speculative_tokens (tree budget)="
+                 f"{spec['num_speculative_tokens']} is out of range; it must be between 1 and 512.")
+    if MODE == "die":
+        print("RuntimeError: fake startup failure", file=sys.stderr)
+        sys.exit(3)
+    request_model = args.served_model_name
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    ignore_term = MODE == "ignore_term"
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=not ignore_term)
+
+
+request_model = None
+
+if __name__ == "__main__":
+    main()

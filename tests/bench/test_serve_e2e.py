@@ -1,0 +1,285 @@
+"""CPU tests of bench/serve_e2e.py, the one-shot end-to-end server check for GPU hosts.
+
+* Pure parts: SSE parsing, percentiles, Prometheus parsing, error messages, greedy
+  comparison, prompt selection, argument handling, the serve command line.
+* The whole flow against tests/bench/fake_openai_server.py (a stand-in for `vllm
+  serve`, no model): a passing run, and runs with injected faults that must fail (or
+  trip the watchdog) without hanging.
+* The real patched vLLM CLI refusing the two bad DDTree configs at startup, on CPU
+  (config validation happens before any device work; tests/bench/cpu_vllm_cli.py
+  gives vLLM a CPU platform so that its argument parser can be built).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from bench import serve_e2e as E  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(REPO, "bench", "serve_e2e.py")
+FAKE = os.path.join(HERE, "fake_openai_server.py")
+DRAFTER = os.path.join(REPO, "bench", "fixture", "smollm2-dflash")
+
+LLAMA_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_theta=100000.0, tie_word_embeddings=True, torch_dtype="bfloat16", hidden_act="silu",
+)
+
+
+# ----------------------------------------------------------------------------- SSE
+def test_sse_parser_reassembles_events_split_anywhere():
+    stream = (b'data: {"choices": [{"text": "Hel"}]}\n\n'
+              b': keep-alive comment\n\n'
+              b'event: message\r\ndata: {"choices": [{"text": "lo"}]}\r\n\r\n'
+              b"data: [DONE]\n\n")
+    for size in (1, 3, 7, len(stream)):
+        parser, events = E.SSEParser(), []
+        for i in range(0, len(stream), size):
+            events += parser.feed(stream[i:i + size])
+        events += parser.close()
+        assert events == [{"choices": [{"text": "Hel"}]}, {"choices": [{"text": "lo"}]}, "[DONE]"]
+        assert parser.done
+
+
+def test_sse_parser_reports_bad_json_and_a_last_line_without_newline():
+    parser = E.SSEParser()
+    assert parser.feed(b"data: {not json}\n") == [{"_unparsed": "{not json}"}]
+    assert parser.feed(b'data: {"a": 1}') == []
+    assert parser.close() == [{"a": 1}]
+    assert not parser.done
+
+
+def test_stream_text_helpers():
+    events = [{"choices": [{"text": "a", "token_ids": [1], "prompt_token_ids": [9, 8]}]},
+              {"choices": [{"text": "b", "token_ids": [2]}]},
+              {"choices": [], "usage": {"completion_tokens": 2}}, "[DONE]"]
+    assert E.stream_completion_text(events) == ("ab", [1, 2], [9, 8], {"completion_tokens": 2})
+    chat = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"delta": {"content": "Hi"}}]}, {"choices": [{"delta": {}}]}, "[DONE]"]
+    assert E.stream_chat_text(chat) == "Hi"
+
+
+# ----------------------------------------------------------------------------- numbers
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    xs = [0.3, 0.1, 0.9, 0.5, 0.7, 0.2, 1.5]
+    for q in (0, 1, 25, 50, 90, 99, 100):
+        assert E.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert E.percentile([], 50) is None
+    assert E.percentile([2.0], 99) == 2.0
+
+
+def test_latency_summary():
+    s = E.latency_summary([1.0, 2.0, 3.0, 4.0])
+    assert s["count"] == 4 and s["p50_s"] == 2.5 and s["max_s"] == 4.0
+    assert E.latency_summary([]) == {"count": 0}
+
+
+def test_spec_decode_summary_sums_labels_and_skips_created():
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0"} 640.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 70.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 20.0',
+        "vllm:num_requests_running 3.0",
+    ])
+    s = E.spec_decode_summary(text)
+    assert s["num_drafts"] == 20.0 and s["num_accepted_tokens"] == 70.0
+    assert s["num_draft_tokens"] == 640.0
+    assert s["mean_acceptance_length"] == 4.5 and s["counters_positive"]
+    assert len(s["lines"]) == 6 and all(ln.startswith("vllm:spec_decode") for ln in s["lines"])
+
+
+def test_spec_decode_summary_without_counters():
+    s = E.spec_decode_summary("vllm:num_requests_running 0.0\n")
+    assert s["num_drafts"] is None and not s["counters_positive"]
+    assert s["mean_acceptance_length"] is None
+
+
+def test_error_message_shapes():
+    assert E.error_message('{"error": {"message": "bad logprobs", "code": 400}}') == "bad logprobs"
+    assert E.error_message('{"object": "error", "message": "nope"}') == "nope"
+    assert "loc" in E.error_message('{"detail": [{"loc": ["body"], "msg": "x"}]}')
+    assert E.error_message("Internal Server Error") == "Internal Server Error"
+    assert E.error_message("") == ""
+
+
+def test_compare_greedy_reports_the_first_difference():
+    same = E.compare_greedy([[1, 2], [3]], [[1, 2], [3]])
+    assert same["all_identical"] and same["first_difference"] is None
+    diff = E.compare_greedy([[1, 2], [3, 4, 5], [6]], [[1, 2], [3, 9, 5], [7]])
+    assert (diff["identical"], diff["total"]) == (1, 3)
+    assert diff["first_difference"]["request"] == 1 and diff["first_difference"]["position"] == 1
+    prefix = E.compare_greedy([[1, 2]], [[1, 2, 3]])
+    assert prefix["first_difference"]["position"] == 2
+
+
+# ----------------------------------------------------------------------------- inputs
+def test_builtin_prompts_are_distinct_and_enough():
+    prompts, source = E.select_prompts(128)
+    assert source == "builtin" and len(prompts) == 128 == len(set(prompts))
+    assert any(p.startswith("def ") for p in prompts)
+
+
+def test_prompts_from_jsonl(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": 1, "prompt": "chat turn"}, {"id": 2, "completion_prompt": "def f():", "prompt": "x"},
+            {"id": 3, "prompt": "chat turn"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    prompts, source = E.select_prompts(5, str(path))
+    assert source.startswith("file:")
+    assert prompts[:2] == ["chat turn", "def f():"] and len(set(prompts)) == 5
+
+
+def test_parse_args_defaults_and_errors(tmp_path):
+    out = str(tmp_path / "r" / "e2e.json")
+    a = E.parse_args(["--target", "T", "--drafter", "D", "--out", out])
+    assert (a.time_budget, a.budget, a.concurrency, a.num_requests, a.max_tokens) == (420.0, 32, 64, 128, 64)
+    assert a.log_dir == os.path.dirname(out) and not a.strict_greedy
+    with pytest.raises(SystemExit):
+        E.parse_args(["--target", "T", "--out", out])
+    with pytest.raises(SystemExit):
+        E.parse_args(["--target", "T", "--drafter", "D", "--out", out, "--concurrency", "0"])
+    w = E.parse_args(["--offline-worker", "spec.json", "out.json"])
+    assert w.offline_worker == ["spec.json", "out.json"]
+
+
+def test_serve_command_line():
+    cmd = E.serve_command(E.server_prefix(None), "/m", E.speculative_config("/d", 32), 8123)
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "ddtree", "model": "/d", "num_speculative_tokens": 32}
+    for flag in ("--enforce-eager", "--seed", "--served-model-name", "--gpu-memory-utilization"):
+        assert flag in cmd
+    assert E.server_prefix("python fake.py") == ["python", "fake.py"]
+
+
+def test_cli_module_exists_in_installed_vllm():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    assert importlib.util.find_spec("vllm.entrypoints.cli.main") is not None
+
+
+def test_bad_config_needles_match_vllm_ddtree_messages():
+    """The needles serve_e2e looks for are what vllm_ddtree.config says (no vLLM needed)."""
+    from vllm_ddtree.config import DDTreeConfigError, resolve_ddtree_options
+
+    with open(os.path.join(DRAFTER, "config.json")) as f:
+        hf = types.SimpleNamespace(**json.load(f))
+    for bad in E.bad_speculative_configs(DRAFTER):
+        spec = types.SimpleNamespace(**bad["config"], draft_model_config=types.SimpleNamespace(hf_config=hf))
+        spec.__dict__.setdefault("ddtree_max_depth", None)
+        spec.__dict__.setdefault("ddtree_top_k", None)
+        with pytest.raises(DDTreeConfigError) as info:
+            resolve_ddtree_options(spec)
+        assert bad["needle"] in str(info.value), (bad["name"], str(info.value))
+
+
+# ----------------------------------------------------------------------------- whole flow
+def _run_script(tmp_path, *extra, mode="", timeout=90, env_extra=None):
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, FAKE_MODE=mode, **(env_extra or {}))
+    argv = [sys.executable, SCRIPT, "--target", str(tmp_path), "--drafter", DRAFTER,
+            "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+            "--server-cmd", f"{sys.executable} {FAKE}", "--skip-offline",
+            "--concurrency", "8", "--num-requests", "24", "--max-tokens", "16", *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    result = json.loads(out.read_text()) if out.exists() else None
+    return proc, result
+
+
+def test_flow_against_fake_server_passes(tmp_path):
+    proc, r = _run_script(tmp_path, "--time-budget", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert r["passed"] and r["failures"] == []
+    assert [b["returncode"] for b in r["bad_configs"]] == [1, 1]
+    assert all(b["message"] for b in r["bad_configs"])
+    assert {b["name"]: b["status"] for b in r["bad_requests"]}["unknown_model"] == 404
+    assert all(400 <= b["status"] < 500 for b in r["bad_requests"])
+    assert r["load"]["errors"] == 0 and r["load"]["num_requests"] == 24
+    assert r["load"]["latency"]["p99_s"] is not None
+    m = r["spec_decode_metrics"]["after_load"]
+    assert m["counters_positive"] and m["mean_acceptance_length"] > 1
+    assert os.path.exists(r["server"]["logs"]["stderr"])
+    assert r["server"]["stop"]["returncode"] is not None and not r["server"]["stop"]["sigkill"]
+    assert "serve_e2e.py" in r["command"]
+
+
+@pytest.mark.parametrize("mode, failed", [
+    ("logprobs_500", "bad_requests/logprobs"),
+    ("short", "load/zero_errors"),
+])
+def test_flow_fails_on_server_faults(tmp_path, mode, failed):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60", mode=mode)
+    assert proc.returncode == 1
+    assert failed in r["failures"] and not r["passed"]
+
+
+def test_flow_reports_a_server_that_dies_at_startup(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", mode="die")
+    assert proc.returncode == 1
+    assert r["failures"] == ["startup/server_healthy"]
+    assert r["startup"]["returncode"] == 3 and "fake startup failure" in r["startup"]["log_tail"]
+
+
+def test_flow_bounds_startup_wait(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--startup-timeout", "3", mode="no_health")
+    assert proc.returncode == 1
+    assert r["startup"]["timed_out"] and r["startup"]["seconds"] < 10
+
+
+def test_watchdog_kills_a_server_that_ignores_sigterm(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "4",
+                          "--startup-timeout", "2", mode="ignore_term",
+                          env_extra={"SERVE_E2E_WATCHDOG_GRACE_S": "1"})
+    # The startup wait passes (health is fine), the checks run, and stopping the server
+    # waits out SIGTERM's 30 s: the watchdog must fire first and kill the group.
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert any(f.startswith("watchdog") for f in r["failures"])
+
+
+# ----------------------------------------------------------------------------- real vLLM, CPU
+def _patched_vllm() -> bool:
+    try:
+        import vllm
+    except Exception:  # noqa: BLE001 - any import failure means: skip
+        return False
+    return bool(getattr(vllm, "ddtree_series", None))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _patched_vllm(), reason="needs the patched vLLM (./apply.sh)")
+def test_real_vllm_refuses_bad_ddtree_configs_at_startup(tmp_path):
+    """`vllm serve` with each bad config exits non-zero naming the setting, before any
+    device work (both run in parallel; about 10-20 s on 2 cores)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(LLAMA_135M))
+    args = E.parse_args(["--target", str(target), "--drafter", DRAFTER,
+                         "--out", str(tmp_path / "r.json"), "--bad-config-timeout", "240"])
+    run = E.Run(args=args, deadline=E.Deadline(280))
+    try:
+        E.run_bad_configs(run, [sys.executable, os.path.join(HERE, "cpu_vllm_cli.py")])
+    finally:
+        run.procs.kill_all()
+    records = {b["name"]: b for b in run.result["bad_configs"]}
+    assert run.failures == [], json.dumps(run.result["bad_configs"], indent=1)[-4000:]
+    assert "ddtree_max_depth=16 is out of range" in records["max_depth_beyond_block"]["message"]
+    assert "tree budget)=513" in records["budget_above_512"]["message"]
