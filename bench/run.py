@@ -352,6 +352,8 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         seed=0,
         disable_log_stats=False,
     )
+    if args.async_scheduling != "auto":
+        kw["async_scheduling"] = args.async_scheduling == "on"
     if suite.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     profile = None
@@ -441,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="default: 0.2 (fixture, ci), 0.4 (cost8b)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                    help="vLLM's asynchronous scheduling (auto: vLLM's default, on for "
+                         "DFlash and DDTree)")
     ap.add_argument("--time-budget-s", type=float, default=0.0,
                     help="skip engines that would start after this many seconds (0: no limit)")
     ap.add_argument("--engine-estimate-s", type=float, default=60.0,
