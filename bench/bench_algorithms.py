@@ -4,7 +4,9 @@
 
 Prints milliseconds per call (CUDA events, median of repeats) for: top-K candidate
 selection, the tree builder (Triton and torch backends, candidates included), the
-ancestor mask + bias, the verification walk, and the KV compaction of one layer.
+ancestor mask + bias, the per-request attention bias the verification reads (torch
+write_tree_attn_bias with its gather + has_tree, and the fused one-launch Triton
+write_tree_attn_bias_fused), the verification walk, and the KV compaction of one layer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_ddtree.kv_compaction import accepted_slot_moves, compact_kv_cache_  # noqa: E402
+from vllm_ddtree.tree_attention import (  # noqa: E402
+    allocate_tree_attn_bias,
+    write_tree_attn_bias,
+    write_tree_attn_bias_fused,
+)
 from vllm_ddtree.tree_builder import build_trees, draft_topk, empty_tree  # noqa: E402
 from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias  # noqa: E402
 from vllm_ddtree.tree_walk import walk_tree  # noqa: E402
@@ -48,7 +55,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     D, V = args.depth, args.vocab
     print(f"vocab={V} depth={D} logits dtype={dtype}  (times in ms)")
-    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'walk':>7} {'kv/layer':>8}")
+    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'bias':>7} {'fused':>7} {'walk':>7} {'kv/layer':>8}")
     for R in (1, 8, 32, 64):
         for B in (16, 64, 128, 256):
             logits = torch.randn(R, D, V, device="cuda").to(dtype)
@@ -57,6 +64,15 @@ def main() -> None:
             t_tri = timeit(lambda: build_trees(logits, B, out=out, backend="triton"))
             t_tor = timeit(lambda: build_trees(logits, B, out=out, backend="torch"), repeats=5)
             t_mask = timeit(lambda: tree_attention_bias(tree_ancestor_mask(out.node_parents, D), dtype))
+            # Per-request bias as prepare_tree_verification writes it (buffer has
+            # 2R rows of states; idx_mapping a permutation; every request a full tree).
+            bias = allocate_tree_attn_bias(2 * R, B + 1, "cuda")
+            by_state = torch.cat([out.node_parents, out.node_parents])
+            idx = torch.randperm(2 * R, device="cuda")[:R].to(torch.int32)
+            cu = (torch.arange(R + 1, device="cuda") * (B + 1)).to(torch.int32)
+            t_bias = timeit(lambda: write_tree_attn_bias(
+                bias, by_state[idx], (cu[1:R + 1] - cu[:R]) > 1))
+            t_fused = timeit(lambda: write_tree_attn_bias_fused(bias, by_state, idx, cu, D))
             target = out.node_tokens.clone()  # accept the first-child path
             t_walk = timeit(lambda: walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D))
             walk = walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D)
@@ -67,7 +83,7 @@ def main() -> None:
                           + torch.arange(B + 1, device="cuda"))
             src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
             t_kv = timeit(lambda: compact_kv_cache_(kv, src, dst, moves_per_group=D + 1))
-            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_walk:7.3f} {t_kv:8.3f}")
+            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_bias:7.3f} {t_fused:7.3f} {t_walk:7.3f} {t_kv:8.3f}")
             del logits, kv
 
 

@@ -9,12 +9,16 @@ smaller index), so the Triton unified attention kernel, patched by
 ``patches/attention_triton-per-request-tree-bias.patch``, adds a per-request
 query-query bias (0 for ancestor-or-self, -inf otherwise) on top of it.
 
-What lives here (pure torch, no host sync, usable inside CUDA graphs):
+What lives here (torch, plus one Triton kernel; no host sync, usable inside CUDA graphs):
 
 * :func:`tree_ancestor_mask`: ``node_parents`` -> boolean ancestor-or-self mask.
 * :func:`allocate_tree_attn_bias` / :func:`write_tree_attn_bias`: the persistent
   ``[max_num_seqs, B+1, B+1]`` float32 buffer the kernel reads, rewritten in
   place before each target forward.
+* :func:`write_tree_attn_bias_fused`: the same bias in ONE Triton launch,
+  straight from the per-state parents, ``idx_mapping`` and ``cu_num_logits``
+  (no gather, no ``has_tree`` tensor, no closure matmuls); falls back to
+  :func:`write_tree_attn_bias` where Triton cannot run.
 * :func:`register_tree_attn_bias`: hands that buffer to the target's
   TRITON_ATTN metadata builders (before CUDA-graph capture).
 * :func:`reference_paged_attention`: a dense, slow reference over a paged KV
@@ -36,6 +40,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ._triton import can_use_triton, jit, next_power_of_2, tl
+
 __all__ = [
     "allocate_tree_attn_bias",
     "check_tree_parents",
@@ -44,6 +50,7 @@ __all__ = [
     "register_tree_attn_bias",
     "tree_ancestor_mask",
     "write_tree_attn_bias",
+    "write_tree_attn_bias_fused",
 ]
 
 
@@ -170,6 +177,151 @@ def write_tree_attn_bias(
     out = bias[:num_reqs]
     out.fill_(float("-inf"))
     out.masked_fill_(allowed, 0.0)
+    return out
+
+
+def _tree_attn_bias_kernel(
+    bias_ptr,  # [>= R, Q, Q] float32, contiguous
+    parents_ptr,  # [num_states, >= Q] int (row stride parents_stride)
+    idx_ptr,  # [R] int: batch row r -> request state
+    cu_ptr,  # [>= R + 1] int: cumulative logits per request
+    q,  # Q = B + 1
+    parents_stride,
+    max_depth,  # walk at most this many parent steps
+    ROWS: tl.constexpr,  # rows (nodes) per program
+    BLOCK: tl.constexpr,  # power of two >= Q
+):
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    state = tl.load(idx_ptr + r).to(tl.int64)
+    has_tree = (tl.load(cu_ptr + r + 1) - tl.load(cu_ptr + r)) > 1
+    rows = blk * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < q
+    col_ok = cols < q
+    allowed = rows[:, None] == cols[None, :]  # self
+    # Walk every row's parent chain in lock step: cur = the current ancestor,
+    # -1 once the walk passed the root (or the request has no tree).
+    cur = tl.where(row_ok & has_tree, rows, -1)
+    base = parents_ptr + state * parents_stride
+    limit = tl.where(has_tree, max_depth, 0)
+    step = 0
+    while (step < limit) & (tl.max(cur, axis=0) >= 0):
+        live = (cur >= 0) & (cur < q)
+        nxt = tl.load(base + cur, mask=live, other=-1).to(tl.int32)
+        cur = tl.where(live, nxt, -1)
+        allowed = allowed | (cols[None, :] == cur[:, None])
+        step += 1
+    allowed = allowed | (has_tree == 0)
+    val = tl.where(allowed, 0.0, float("-inf"))
+    out = bias_ptr + r.to(tl.int64) * q * q + rows[:, None] * q + cols[None, :]
+    tl.store(out, val, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tree_attn_bias_launch_config(q: int) -> tuple[int, int, int]:
+    """``(BLOCK, ROWS, num_warps)`` of the fused bias kernel for Q nodes: one
+    program covers ROWS full rows (BLOCK >= Q lanes each), about 4096 elements."""
+    block = next_power_of_2(max(q, 1))
+    rows = max(1, min(next_power_of_2(max(q, 1)), 4096 // block))
+    num_warps = min(4, max(1, (rows * block) // 512))
+    return block, rows, num_warps
+
+
+def write_tree_attn_bias_fused(
+    bias: torch.Tensor,
+    parents_by_state: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    max_depth: int | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`write_tree_attn_bias` fused into one kernel launch.
+
+    Equivalent (bitwise, 0.0 / -inf) to::
+
+        R = idx_mapping.shape[0]
+        has_tree = (cu_num_logits[1:R+1] - cu_num_logits[:R]) > 1
+        write_tree_attn_bias(bias, parents_by_state[idx_mapping], has_tree)
+
+    for valid trees (root parent -1, ``0 <= parent < child`` otherwise) whose
+    depth is at most ``max_depth``.
+
+    ``bias``: the persistent [max_num_seqs, Q, Q] float32 buffer (contiguous).
+    ``parents_by_state``: [num_states, Q] int32/int64, the trees by request
+    state (any row stride, unit column stride).
+    ``idx_mapping``: [R] int, batch row r -> state; R is its length.
+    ``cu_num_logits``: [>= R+1] int; request r verifies a tree iff it has more
+    than one logit. Rows without a tree get all zeros.
+    ``max_depth``: a bound on every tree's depth (the drafter's D); the walk
+    stops after this many parent steps, or earlier once every walk reached
+    the root. Default Q - 1 (always enough).
+    ``backend``: ``"auto"`` (Triton where it can run: CUDA, or CPU with
+    ``TRITON_INTERPRET=1``; else the torch path), ``"triton"`` or ``"torch"``.
+
+    All Q rows of ``bias[r]`` are written from the parents, also those past the
+    request's query length (prefix verification reads only the first rows and
+    columns). Rows ``[R, max_num_seqs)`` are untouched. Returns ``bias[:R]``.
+    No host sync; fixed shapes, so graph-capturable.
+    """
+    if bias.ndim != 3 or bias.shape[1] != bias.shape[2]:
+        raise ValueError(f"bias must be [max_num_seqs, Q, Q], got {tuple(bias.shape)}")
+    if bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError("bias must be a contiguous float32 tensor")
+    q = bias.shape[1]
+    if parents_by_state.ndim != 2 or parents_by_state.shape[1] != q:
+        raise ValueError(
+            f"parents_by_state must be [num_states, {q}], got {tuple(parents_by_state.shape)}"
+        )
+    for name, t in (("parents_by_state", parents_by_state), ("idx_mapping", idx_mapping),
+                    ("cu_num_logits", cu_num_logits)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != bias.device:
+            raise ValueError(f"{name} is on {t.device}, bias on {bias.device}")
+    if idx_mapping.ndim != 1 or cu_num_logits.ndim != 1:
+        raise ValueError("idx_mapping and cu_num_logits must be 1-D")
+    num_reqs = idx_mapping.shape[0]
+    if num_reqs > bias.shape[0]:
+        raise ValueError(
+            f"{num_reqs} requests do not fit a bias buffer of {bias.shape[0]} rows"
+        )
+    if cu_num_logits.shape[0] < num_reqs + 1:
+        raise ValueError(
+            f"cu_num_logits has {cu_num_logits.shape[0]} entries, need >= {num_reqs + 1}"
+        )
+    if max_depth is None:
+        max_depth = q - 1
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    out = bias[:num_reqs]
+    if backend == "auto":
+        backend = "triton" if can_use_triton(bias, parents_by_state, idx_mapping, cu_num_logits) else "torch"
+    if backend == "torch":
+        has_tree = (cu_num_logits[1 : num_reqs + 1] - cu_num_logits[:num_reqs]) > 1
+        return write_tree_attn_bias(bias, parents_by_state[idx_mapping.long()], has_tree)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not can_use_triton(bias, parents_by_state, idx_mapping, cu_num_logits):
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if num_reqs == 0:
+        return out
+    if parents_by_state.stride(1) != 1:
+        parents_by_state = parents_by_state.contiguous()
+    block, rows, num_warps = tree_attn_bias_launch_config(q)
+    grid = (num_reqs, (q + rows - 1) // rows)
+    jit(_tree_attn_bias_kernel)[grid](
+        bias,
+        parents_by_state,
+        idx_mapping,
+        cu_num_logits,
+        q,
+        parents_by_state.stride(0),
+        min(int(max_depth), q - 1) if q > 1 else 0,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return out
 
 

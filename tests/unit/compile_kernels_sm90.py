@@ -23,6 +23,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_ddtree.kv_compaction import _compact_kv_kernel  # noqa: E402
+from vllm_ddtree.tree_attention import (  # noqa: E402
+    _tree_attn_bias_kernel,
+    tree_attn_bias_launch_config,
+)
 from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
 
 TREE_SIG = {
@@ -72,6 +76,14 @@ def main() -> int:
         for block, warps in ((4096, 4), (64, 1)):
             sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}
             variants.append((f"lse{dtype}", _logsumexp_kernel, sig, {(4,): block}, {"num_warps": warps}))
+    for pdtype in ("*i32", "*i64"):
+        for q in (2, 17, 65, 257, 513):
+            block, rows, warps = tree_attn_bias_launch_config(q)
+            sig = {"bias_ptr": "*fp32", "parents_ptr": pdtype, "idx_ptr": "*i32", "cu_ptr": "*i32",
+                   "q": "i32", "parents_stride": "i32", "max_depth": "i32",
+                   "ROWS": "constexpr", "BLOCK": "constexpr"}
+            variants.append((f"bias{pdtype}", _tree_attn_bias_kernel, sig, {(7,): rows, (8,): block},
+                             {"num_warps": warps}))
     for name, fn, sig, consts, opts in variants:
         info = ptxas_info(compile_one(fn, sig, consts, **opts))
         info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
