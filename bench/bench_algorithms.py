@@ -6,7 +6,11 @@ Prints milliseconds per call (CUDA events, median of repeats) for: top-K candida
 selection, the tree builder (Triton and torch backends, candidates included), the
 ancestor mask + bias, the per-request attention bias the verification reads (torch
 write_tree_attn_bias with its gather + has_tree, and the fused one-launch Triton
-write_tree_attn_bias_fused), the verification walk, and the KV compaction of one layer.
+write_tree_attn_bias_fused), the verification walk, the KV compaction of one layer, and
+the whole accepted-path compaction of ``--layers`` layers + hidden states: ``kvLx`` =
+one ``compact_kv_cache_`` launch per layer (KV only, moves precomputed, as the
+speculator did), ``kvfused`` = ``compact_accepted_path_`` (one launch, KV of all layers
++ hidden rows).
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_ddtree.kv_compaction import accepted_slot_moves, compact_kv_cache_  # noqa: E402
+from vllm_ddtree.kv_compaction import (  # noqa: E402
+    accepted_slot_moves,
+    build_kv_ptr_table,
+    compact_accepted_path_,
+    compact_kv_cache_,
+)
 from vllm_ddtree.tree_attention import (  # noqa: E402
     allocate_tree_attn_bias,
     write_tree_attn_bias,
@@ -51,11 +60,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--depth", type=int, default=15)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--hidden", type=int, default=4096)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     D, V = args.depth, args.vocab
     print(f"vocab={V} depth={D} logits dtype={dtype}  (times in ms)")
-    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'bias':>7} {'fused':>7} {'walk':>7} {'kv/layer':>8}")
+    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'bias':>7} {'bfused':>7} {'walk':>7} {'kv/layer':>8} {'kvLx':>7} {'kvfused':>7}")
     for R in (1, 8, 32, 64):
         for B in (16, 64, 128, 256):
             logits = torch.randn(R, D, V, device="cuda").to(dtype)
@@ -83,8 +94,25 @@ def main() -> None:
                           + torch.arange(B + 1, device="cuda"))
             src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
             t_kv = timeit(lambda: compact_kv_cache_(kv, src, dst, moves_per_group=D + 1))
-            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_bias:7.3f} {t_fused:7.3f} {t_walk:7.3f} {t_kv:8.3f}")
-            del logits, kv
+            # all layers: per-layer launches vs one fused launch (+ hidden states)
+            kvs = [kv] + [torch.empty_like(kv.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
+                          for _ in range(args.layers - 1)]
+            hidden = torch.randn(R * (B + 1), args.hidden, device="cuda").to(dtype)
+            qsl = torch.arange(R + 1, device="cuda", dtype=torch.int32) * (B + 1)
+            slot_mapping = tree_slots.flatten()
+            table = build_kv_ptr_table(kvs)
+
+            def per_layer():
+                for c in kvs:
+                    compact_kv_cache_(c, src, dst, moves_per_group=D + 1)
+
+            t_loop = timeit(per_layer)
+            t_kvfused = timeit(lambda: compact_accepted_path_(
+                kvs, hidden, walk.accepted_nodes, walk.num_accepted, qsl, slot_mapping,
+                kv_ptr_table=table))
+            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_bias:7.3f} {t_fused:7.3f} {t_walk:7.3f} {t_kv:8.3f}"
+                  f" {t_loop:7.3f} {t_kvfused:7.3f}")
+            del logits, kv, kvs, hidden
 
 
 if __name__ == "__main__":

@@ -32,11 +32,20 @@ layouts are accepted by name too (``"kv_first"``: ``(2, num_blocks, block_size,
 num_kv_heads, head_size)``; ``"blocks_first"``: ``(num_blocks, 2, block_size, ...)``),
 or any layout via an explicit ``(block_dim, token_dim)`` pair. Slot s lives at block
 ``s // block_size``, offset ``s % block_size``; every other dim is copied whole.
+
+All layers at once. :func:`compact_accepted_path_` does the whole post-walk compaction
+(hidden-state rows and the KV of every layer) in ONE Triton launch, computing the moves
+from ``accepted_nodes`` / ``num_accepted`` / ``query_start_loc`` / ``slot_mapping`` in
+the kernel. The layers' caches are separate allocations of one shape/stride/dtype; a
+:class:`KVPointerTable` (build once, reuse) holds each layer's element offset from the
+lowest-addressed layer, and the kernel addresses layer l as ``base + offset[l] + ...``.
+One program handles one (request, layer or hidden states, chunk of the row): it loads
+every source of the request, synchronises, then stores, as above.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -44,7 +53,12 @@ from ._triton import can_use_triton, jit, next_power_of_2, tl
 
 __all__ = [
     "KV_LAYOUTS",
+    "KVPointerTable",
+    "accepted_path_moves",
     "accepted_slot_moves",
+    "build_kv_ptr_table",
+    "compact_accepted_path_",
+    "compact_accepted_path_reference_",
     "compact_kv_cache_",
     "compact_kv_cache_reference_",
     "compact_rows_",
@@ -351,3 +365,374 @@ def compact_rows_(tensor: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.
     dst = dst_rows.reshape(-1).long()
     tensor.index_copy_(0, dst, tensor.index_select(0, src))
     return tensor
+
+
+# --------------------------------------------------------------------------------------
+# Whole accepted-path compaction: hidden states + every layer's KV in one launch.
+# --------------------------------------------------------------------------------------
+
+
+def accepted_path_moves(
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The moves of :meth:`DDTreeSpeculator._compact_accepted_path`, in torch.
+
+    For request r with path ``0 = i_0 < ... < i_k`` (``k = num_accepted[r]``) and
+    ``start = query_start_loc[r]``, column j <= k moves row ``start + i_j`` to row
+    ``start + j`` (slot ``slot_mapping[start + i_j]`` to ``slot_mapping[start + j]``).
+
+    Returns ``(src_rows, dst_rows, src_slots, dst_slots)``, each [R * (D+1)] int64
+    request-major; entries that are not a move (off the path, padding, src == dst) are
+    -1 in all four. Slots are None without ``slot_mapping``. No host synchronisation.
+    """
+    num_reqs, width = accepted_nodes.shape
+    acc = accepted_nodes.long()
+    start = query_start_loc[:num_reqs].long()[:, None]
+    j = torch.arange(width, device=acc.device)[None, :]
+    on_path = (acc >= 0) & (j <= num_accepted[:num_reqs].long()[:, None])
+    src_rows = torch.where(on_path, start + acc, -1).flatten()
+    dst_rows = torch.where(on_path, start + j, -1).flatten()
+    moves = on_path.flatten() & (src_rows != dst_rows)
+    src_rows = torch.where(moves, src_rows, -1)
+    dst_rows = torch.where(moves, dst_rows, -1)
+    if slot_mapping is None:
+        return src_rows, dst_rows, None, None
+    slots = slot_mapping.long()
+    src_slots = torch.where(moves, slots[src_rows.clamp(min=0)], -1)
+    dst_slots = torch.where(moves, slots[dst_rows.clamp(min=0)], -1)
+    return src_rows, dst_rows, src_slots, dst_slots
+
+
+class KVPointerTable:
+    """The layers' KV caches addressed from one base pointer (built by
+    :func:`build_kv_ptr_table`; build once and pass back on every call).
+
+    Attributes:
+        base: the lowest-addressed layer's cache, viewed with the widest integer word
+            that keeps every stride and every layer offset whole (the kernel's pointer).
+        offsets: [L] int64 on the caches' device, ``offsets[l]`` = element offset (in
+            ``base``'s dtype) of layer l's first element from ``base``'s; all >= 0.
+        data_ptrs: the layers' ``data_ptr()`` at build time (checked on every call).
+        block_dim, token_dim, sizes, strides: the kernel's addressing (of ``base``).
+    """
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layout: Layout = "vllm",
+                 layer_names: Optional[Sequence[str]] = None):
+        caches = list(kv_caches)
+        if not caches:
+            raise ValueError("KVPointerTable needs at least one KV cache")
+        names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(len(caches))]
+        if len(names) != len(caches):
+            raise ValueError(f"{len(names)} layer names for {len(caches)} KV caches")
+        first = caches[0]
+        block_dim, token_dim = _resolve_layout(first, layout)
+        for name, t in zip(names, caches):
+            if (t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+                    or t.device != first.device):
+                raise ValueError(
+                    f"KV cache of {name} differs from {names[0]}'s: shape {tuple(t.shape)} / stride "
+                    f"{t.stride()} / {t.dtype} / {t.device} vs {tuple(first.shape)} / {first.stride()} "
+                    f"/ {first.dtype} / {first.device}"
+                )
+        ptrs = [t.data_ptr() for t in caches]
+        lo = min(range(len(caches)), key=ptrs.__getitem__)
+        esize = first.element_size()
+        for name, p in zip(names, ptrs):
+            if (p - ptrs[lo]) % esize:
+                raise ValueError(
+                    f"KV cache of {name} starts {p - ptrs[lo]} bytes from {names[lo]}'s, not a "
+                    f"multiple of the element size {esize}; it cannot share a base pointer"
+                )
+        base = _widest_view(caches[lo], (block_dim, token_dim))
+        wsize = base.element_size()
+        if any((p - ptrs[lo]) % wsize for p in ptrs):
+            base, wsize = caches[lo], esize
+        self.layout = layout
+        self.block_dim, self.token_dim = block_dim, token_dim
+        self.base = base
+        self.num_layers = len(caches)
+        self.data_ptrs = tuple(ptrs)
+        self.shape, self.stride, self.dtype = tuple(first.shape), first.stride(), first.dtype
+        self.device = first.device
+        self.offsets = torch.tensor([(p - ptrs[lo]) // wsize for p in ptrs], dtype=torch.int64,
+                                    device=first.device)
+        rest = [d for d in range(base.dim()) if d not in (block_dim, token_dim)]
+        if len(rest) > 3:
+            raise ValueError(f"at most 3 dims besides block and token, got shape {tuple(base.shape)}")
+        sizes = [base.shape[d] for d in rest]
+        strides = [base.stride(d) for d in rest]
+        while len(sizes) < 3:
+            sizes.insert(0, 1)
+            strides.insert(0, 0)
+        self.sizes, self.strides = tuple(sizes), tuple(strides)
+        self.inner = sizes[0] * sizes[1] * sizes[2]
+        self.block_size = base.shape[token_dim]
+        self.stride_block = base.stride(block_dim)
+        self.stride_token = base.stride(token_dim)
+
+    def matches(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        """Whether ``kv_caches`` are still the tensors this table was built for."""
+        if len(kv_caches) != self.num_layers:
+            return False
+        for t, p in zip(kv_caches, self.data_ptrs):
+            if t.data_ptr() != p or tuple(t.shape) != self.shape or t.stride() != self.stride:
+                return False
+        return True
+
+
+def build_kv_ptr_table(kv_caches: Sequence[torch.Tensor], layout: Layout = "vllm",
+                       layer_names: Optional[Sequence[str]] = None) -> KVPointerTable:
+    """Build the :class:`KVPointerTable` of ``kv_caches`` (one small H2D copy; do it
+    once, e.g. when the caches are first resolved, and pass it as ``kv_ptr_table``).
+    Raises ValueError naming the layer whose cache has another shape/stride/dtype or
+    whose address is not a whole number of elements away from the others."""
+    return KVPointerTable(kv_caches, layout, layer_names)
+
+
+def _compact_path_kernel(
+    kv_ptr,  # lowest-addressed layer's cache (widened word view)
+    kv_off_ptr,  # [L] int64 element offsets of the layers from kv_ptr
+    hid_ptr,  # [T, ...] hidden states (widened word view)
+    acc_ptr,  # [R, D+1] accepted nodes, -1 padded
+    acc_stride,
+    num_acc_ptr,  # [R]
+    qsl_ptr,  # [>= R] query_start_loc
+    slot_ptr,  # [T] slot mapping
+    num_slots,  # slot_mapping.numel(): rows past it are never read
+    num_hid_rows,
+    width,  # D + 1
+    num_layers,
+    kv_chunks,  # programs per (request, layer)
+    block_size,
+    stride_block,
+    stride_token,
+    size1,
+    size2,
+    stride0,
+    stride1,
+    stride2,
+    kv_inner,
+    hid_row_stride,
+    hid_inner,
+    HAS_KV: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < width
+    node = tl.load(acc_ptr + req * acc_stride + m, mask=m_ok, other=-1).to(tl.int64)
+    k = tl.load(num_acc_ptr + req).to(tl.int64)
+    start = tl.load(qsl_ptr + req).to(tl.int64)
+    src_row = start + node
+    dst_row = start + m.to(tl.int64)
+    move = m_ok & (node >= 0) & (m.to(tl.int64) <= k) & (src_row != dst_row)
+    e_base = tl.arange(0, BLOCK_E)
+    num_kv = num_layers * kv_chunks
+    if HAS_KV:
+        if pid < num_kv:
+            layer = pid // kv_chunks
+            chunk = pid % kv_chunks
+            row_ok = move & (src_row < num_slots) & (dst_row < num_slots)
+            src = tl.load(slot_ptr + src_row, mask=row_ok, other=-1).to(tl.int64)
+            dst = tl.load(slot_ptr + dst_row, mask=row_ok, other=-1).to(tl.int64)
+            kv_move = row_ok & (src >= 0) & (dst >= 0) & (src != dst)
+            layer_ptr = kv_ptr + tl.load(kv_off_ptr + layer)
+            src_off = (src // block_size) * stride_block + (src % block_size) * stride_token
+            dst_off = (dst // block_size) * stride_block + (dst % block_size) * stride_token
+            e = chunk * BLOCK_E + e_base
+            e_ok = e < kv_inner
+            i2 = e % size2
+            i1 = (e // size2) % size1
+            i0 = e // (size2 * size1)
+            e_off = i0.to(tl.int64) * stride0 + i1.to(tl.int64) * stride1 + i2.to(tl.int64) * stride2
+            mask = kv_move[:, None] & e_ok[None, :]
+            vals = tl.load(layer_ptr + src_off[:, None] + e_off[None, :], mask=mask)
+            # Every source of this request must be read before any destination is written.
+            tl.debug_barrier()
+            tl.store(layer_ptr + dst_off[:, None] + e_off[None, :], vals, mask=mask)
+    if HAS_HIDDEN:
+        if pid >= num_kv:
+            e = (pid - num_kv) * BLOCK_E + e_base
+            e_ok = e < hid_inner
+            h_move = move & (src_row < num_hid_rows) & (dst_row < num_hid_rows)
+            mask = h_move[:, None] & e_ok[None, :]
+            vals = tl.load(hid_ptr + src_row[:, None] * hid_row_stride + e[None, :], mask=mask)
+            tl.debug_barrier()
+            tl.store(hid_ptr + dst_row[:, None] * hid_row_stride + e[None, :], vals, mask=mask)
+
+
+def _hidden_rows_view(hidden_states: torch.Tensor) -> torch.Tensor:
+    """[T, inner] view of hidden states whose rows are contiguous, in the widest word."""
+    t = hidden_states
+    if t.dim() == 1:
+        t = t[:, None]
+    if t.dim() > 2:
+        if not t[0].is_contiguous():
+            raise ValueError("hidden_states rows (all dims but the first) must be contiguous")
+        t = t.reshape(t.shape[0], -1) if t.shape[0] else t.reshape(0, max(1, t[0].numel()))
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError("hidden_states rows must be contiguous")
+    if t.shape[1] == 1 and t.stride(1) != 1:
+        t = t.as_strided(t.shape, (t.stride(0), 1))
+    return _widest_view(t, (0,))
+
+
+def compact_accepted_path_reference_(
+    kv_caches: Sequence[torch.Tensor],
+    hidden_states: Optional[torch.Tensor],
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: Optional[torch.Tensor],
+    *,
+    layout: Layout = "vllm",
+) -> None:
+    """Torch version of :func:`compact_accepted_path_`: exactly the current per-layer
+    path of ``_compact_accepted_path`` (hidden states gathered then scattered, then
+    :func:`compact_kv_cache_reference_` per layer, which syncs the host)."""
+    src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
+        accepted_nodes, num_accepted, query_start_loc, slot_mapping if kv_caches else None
+    )
+    if hidden_states is not None:
+        # Non-moves copy row 0 onto itself; no move targets row 0 (the root stays).
+        safe_src = src_rows.clamp(min=0)
+        safe_dst = dst_rows.clamp(min=0)
+        hidden_states[safe_dst] = hidden_states[safe_src]
+    for kv_cache in kv_caches:
+        compact_kv_cache_reference_(kv_cache, src_slots, dst_slots, layout)
+
+
+def compact_accepted_path_(
+    kv_caches: Sequence[torch.Tensor],
+    hidden_states: Optional[torch.Tensor],
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: Optional[torch.Tensor],
+    *,
+    layout: Layout = "vllm",
+    kv_ptr_table: Optional[KVPointerTable] = None,
+    backend: str = "auto",
+) -> Optional[KVPointerTable]:
+    """Compact the accepted paths in hidden states and every layer's KV, in place.
+
+    For request r with path ``0 = i_0 < ... < i_k`` (``k = num_accepted[r]``) and
+    ``start = query_start_loc[r]``, for j = 1..k: row ``start + i_j`` -> ``start + j`` of
+    ``hidden_states`` and KV slot ``slot_mapping[start + i_j]`` ->
+    ``slot_mapping[start + j]`` of every layer (gather-then-scatter per request; moves
+    with src == dst or a negative slot are skipped). Same result as
+    :meth:`DDTreeSpeculator._compact_accepted_path` minus the positions restore.
+
+    Triton backend: ONE launch for everything, grid ``(R, L * kv_chunks + hid_chunks)``,
+    no host sync, fixed shapes (CUDA-graph capturable as long as the caches, the table
+    and the inputs keep their addresses).
+
+    Args:
+        kv_caches: the layers' caches (same shape/stride/dtype; see :data:`KV_LAYOUTS`),
+            may be empty.
+        hidden_states: [T, ...] rows indexed like ``slot_mapping``, or None.
+        accepted_nodes: [R, D+1] int, -1 padded (rows may be strided).
+        num_accepted: [R] int. query_start_loc: [>= R] int. slot_mapping: [T] int.
+        kv_ptr_table: the :class:`KVPointerTable` returned by a previous call (or by
+            :func:`build_kv_ptr_table`); built here when None or stale (the caches moved).
+        backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
+    Returns:
+        The pointer table used (None with no KV caches or the torch backend): keep it
+        and pass it back as ``kv_ptr_table``.
+    """
+    kv_caches = list(kv_caches)
+    if accepted_nodes.dim() != 2:
+        raise ValueError(f"accepted_nodes must be [R, D+1], got {tuple(accepted_nodes.shape)}")
+    num_reqs, width = accepted_nodes.shape
+    if num_accepted.shape[0] < num_reqs or query_start_loc.shape[0] < num_reqs:
+        raise ValueError(
+            f"num_accepted ({tuple(num_accepted.shape)}) and query_start_loc "
+            f"({tuple(query_start_loc.shape)}) need at least R={num_reqs} entries"
+        )
+    if kv_caches and slot_mapping is None:
+        raise ValueError("KV compaction needs slot_mapping")
+    tensors = [accepted_nodes, num_accepted, query_start_loc]
+    tensors += [t for t in (hidden_states, slot_mapping) if t is not None] + kv_caches[:1]
+    for t in tensors[:3] + ([slot_mapping] if slot_mapping is not None else []):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError("accepted_nodes, num_accepted, query_start_loc and slot_mapping must be integer tensors")
+    device = accepted_nodes.device
+    if any(t.device != device for t in tensors):
+        raise ValueError("all tensors must be on one device")
+    if backend == "auto":
+        backend = "triton" if can_use_triton(*tensors) else "torch"
+    if backend == "torch":
+        compact_accepted_path_reference_(kv_caches, hidden_states, accepted_nodes, num_accepted,
+                                         query_start_loc, slot_mapping, layout=layout)
+        return None
+    if backend != "triton":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not can_use_triton(*tensors):
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+
+    if accepted_nodes.stride(1) != 1:
+        accepted_nodes = accepted_nodes.contiguous()
+    num_accepted = num_accepted.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+    if slot_mapping is not None:
+        slot_mapping = slot_mapping.contiguous()
+    table = None
+    if kv_caches:
+        table = kv_ptr_table
+        if table is None or not table.matches(kv_caches) or table.layout != layout:
+            table = KVPointerTable(kv_caches, layout)
+    hid = _hidden_rows_view(hidden_states) if hidden_states is not None else None
+    has_kv = table is not None and table.inner > 0
+    has_hid = hid is not None and hid.shape[1] > 0 and hid.shape[0] > 0
+    if num_reqs == 0 or width == 0 or not (has_kv or has_hid):
+        return table
+
+    block_m = next_power_of_2(width)
+    widest = max(table.inner if has_kv else 1, hid.shape[1] if has_hid else 1)
+    block_e = max(16, min(next_power_of_2(widest), max(64, 2048 // block_m)))
+    kv_chunks = (table.inner + block_e - 1) // block_e if has_kv else 0
+    num_layers = table.num_layers if has_kv else 0
+    hid_chunks = (hid.shape[1] + block_e - 1) // block_e if has_hid else 0
+    grid = (num_reqs, num_layers * kv_chunks + hid_chunks)
+    if grid[1] > 65535:
+        raise ValueError(f"too many programs per request ({grid[1]}) for one launch")
+    dummy = accepted_nodes  # stands in for an absent tensor (never dereferenced)
+    sizes = table.sizes if has_kv else (1, 1, 1)
+    strides = table.strides if has_kv else (0, 0, 0)
+    jit(_compact_path_kernel)[grid](
+        table.base if has_kv else dummy,
+        table.offsets if has_kv else dummy,
+        hid if has_hid else dummy,
+        accepted_nodes,
+        accepted_nodes.stride(0),
+        num_accepted,
+        query_start_loc,
+        slot_mapping if slot_mapping is not None else dummy,
+        slot_mapping.numel() if slot_mapping is not None else 0,
+        hid.shape[0] if has_hid else 0,
+        width,
+        num_layers,
+        kv_chunks,
+        table.block_size if has_kv else 1,
+        table.stride_block if has_kv else 0,
+        table.stride_token if has_kv else 0,
+        sizes[1],
+        sizes[2],
+        strides[0],
+        strides[1],
+        strides[2],
+        table.inner if has_kv else 0,
+        hid.stride(0) if has_hid else 0,
+        hid.shape[1] if has_hid else 0,
+        HAS_KV=has_kv,
+        HAS_HIDDEN=has_hid,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+    )
+    return table

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_ddtree.kv_compaction import _compact_kv_kernel  # noqa: E402
+from vllm_ddtree.kv_compaction import _compact_kv_kernel, _compact_path_kernel  # noqa: E402
 from vllm_ddtree.tree_attention import (  # noqa: E402
     _tree_attn_bias_kernel,
     tree_attn_bias_launch_config,
@@ -40,6 +40,16 @@ KV_SIG = {
     "block_size": "i32", "stride_block": "i64", "stride_token": "i64", "size1": "i32",
     "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64",
     "inner_numel": "i32", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+}
+
+PATH_SIG = {
+    "kv_ptr": None, "kv_off_ptr": "*i64", "hid_ptr": "*i64", "acc_ptr": "*i64", "acc_stride": "i64",
+    "num_acc_ptr": "*i64", "qsl_ptr": "*i32", "slot_ptr": "*i64", "num_slots": "i32",
+    "num_hid_rows": "i32", "width": "i32", "num_layers": "i32", "kv_chunks": "i32",
+    "block_size": "i32", "stride_block": "i64", "stride_token": "i64", "size1": "i32",
+    "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64", "kv_inner": "i32",
+    "hid_row_stride": "i64", "hid_inner": "i32",
+    "HAS_KV": "constexpr", "HAS_HIDDEN": "constexpr", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
 }
 
 
@@ -72,6 +82,11 @@ def main() -> int:
         for bm, be in ((1, 2048), (16, 128), (64, 64)):
             sig = dict(KV_SIG, kv_ptr=dtype)
             variants.append((f"kv{dtype}", _compact_kv_kernel, sig, {(13,): bm, (14,): be}, {}))
+    for dtype in ("*bf16", "*fp8e4nv", "*i64"):
+        for bm, be in ((1, 2048), (16, 128), (64, 64)):
+            sig = dict(PATH_SIG, kv_ptr=dtype)
+            variants.append((f"path{dtype}", _compact_path_kernel, sig,
+                             {(24,): True, (25,): True, (26,): bm, (27,): be}, {}))
     for dtype in ("*bf16", "*fp32"):
         for block, warps in ((4096, 4), (64, 1)):
             sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}
