@@ -4,7 +4,8 @@
 
 Prints milliseconds per call (CUDA events, median of repeats) for: top-K candidate
 selection, the tree builder (Triton and torch backends, candidates included), the
-ancestor mask + bias, the verification walk, and the KV compaction of one layer.
+ancestor mask + bias, the verification walk (torch ops, and the fused one-launch
+Triton walk that also gathers the per-node samples), and the KV compaction of one layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_ddtree.kv_compaction import accepted_slot_moves, compact_kv_cache_  # noqa: E402
 from vllm_ddtree.tree_builder import build_trees, draft_topk, empty_tree  # noqa: E402
 from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias  # noqa: E402
-from vllm_ddtree.tree_walk import walk_tree  # noqa: E402
+from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused  # noqa: E402
 
 
 def timeit(fn, repeats: int = 20) -> float:
@@ -48,7 +49,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     D, V = args.depth, args.vocab
     print(f"vocab={V} depth={D} logits dtype={dtype}  (times in ms)")
-    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'walk':>7} {'kv/layer':>8}")
+    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'walk':>7} {'fused':>7} {'kv/layer':>8}")
     for R in (1, 8, 32, 64):
         for B in (16, 64, 128, 256):
             logits = torch.randn(R, D, V, device="cuda").to(dtype)
@@ -60,6 +61,13 @@ def main() -> None:
             target = out.node_tokens.clone()  # accept the first-child path
             t_walk = timeit(lambda: walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D))
             walk = walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D)
+            # fused: node_samples by logit row (every request verifies its full tree)
+            samples = target.reshape(-1)
+            cu = (torch.arange(R + 1, device="cuda") * (B + 1)).to(torch.int32)
+            idx = torch.arange(R, device="cuda", dtype=torch.int32)
+            wbuf = empty_walk(R, D, "cuda")
+            t_fused = timeit(lambda: walk_tree_fused(samples, cu, idx, out.node_tokens, out.node_parents,
+                                                     out.node_valid, D, out=wbuf))
             bs, heads, hs = 16, 8, 128
             nb = R * ((B + 1) // bs + 2) + 1
             kv = torch.randn(nb, bs, heads, 2 * hs, device="cuda").to(dtype).permute(0, 2, 1, 3)
@@ -67,7 +75,7 @@ def main() -> None:
                           + torch.arange(B + 1, device="cuda"))
             src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
             t_kv = timeit(lambda: compact_kv_cache_(kv, src, dst, moves_per_group=D + 1))
-            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_walk:7.3f} {t_kv:8.3f}")
+            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_walk:7.3f} {t_fused:7.3f} {t_kv:8.3f}")
             del logits, kv
 
 

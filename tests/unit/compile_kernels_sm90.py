@@ -24,6 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from vllm_ddtree.kv_compaction import _compact_kv_kernel  # noqa: E402
 from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
+from vllm_ddtree.tree_walk import _walk_fused_kernel  # noqa: E402
 
 TREE_SIG = {
     "topk_ids_ptr": "*i64", "topk_logp_ptr": "*fp32", "root_tokens_ptr": "*i64",
@@ -36,6 +37,14 @@ KV_SIG = {
     "block_size": "i32", "stride_block": "i64", "stride_token": "i64", "size1": "i32",
     "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64",
     "inner_numel": "i32", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+}
+
+WALK_SIG = {
+    "samples_ptr": "*i64", "cu_ptr": "*i32", "idx_ptr": "*i32", "tokens_ptr": "*i64",
+    "parents_ptr": "*i32", "valid_ptr": "*i1", "acc_ptr": "*i64", "num_acc_ptr": "*i32",
+    "out_tok_ptr": "*i64", "num_out_ptr": "*i32", "n": "i32", "max_depth": "i32",
+    "pad_id": "i32", "stride_tok": "i32", "stride_par": "i32", "stride_val": "i32",
+    "stride_acc": "i32", "stride_out": "i32", "BLOCK": "constexpr",
 }
 
 
@@ -72,6 +81,11 @@ def main() -> int:
         for block, warps in ((4096, 4), (64, 1)):
             sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}
             variants.append((f"lse{dtype}", _logsumexp_kernel, sig, {(4,): block}, {"num_warps": warps}))
+    for samples in ("*i64", "*i32"):
+        for block in ((16, 64, 256, 1024) if samples == "*i64" else (1024,)):
+            sig = dict(WALK_SIG, samples_ptr=samples)
+            variants.append((f"walk{samples}", _walk_fused_kernel, sig, {(18,): block},
+                             {"num_warps": 1 if block <= 128 else 4}))
     for name, fn, sig, consts, opts in variants:
         info = ptxas_info(compile_one(fn, sig, consts, **opts))
         info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
