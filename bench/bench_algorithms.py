@@ -6,7 +6,8 @@ Prints milliseconds per call (CUDA events, median of repeats) for: top-K candida
 selection, the tree builder (Triton and torch backends, candidates included), the
 ancestor mask + bias, the per-request attention bias the verification reads (torch
 write_tree_attn_bias with its gather + has_tree, and the fused one-launch Triton
-write_tree_attn_bias_fused), the verification walk, the KV compaction of one layer, and
+write_tree_attn_bias_fused), the verification walk (torch ops, and the fused one-launch Triton
+walk that also gathers the per-node samples: ``wfused``), the KV compaction of one layer, and
 the whole accepted-path compaction of ``--layers`` layers + hidden states: ``kvLx`` =
 one ``compact_kv_cache_`` launch per layer (KV only, moves precomputed, as the
 speculator did), ``kvfused`` = ``compact_accepted_path_`` (one launch, KV of all layers
@@ -36,7 +37,7 @@ from vllm_ddtree.tree_attention import (  # noqa: E402
 )
 from vllm_ddtree.tree_builder import build_trees, draft_topk, empty_tree  # noqa: E402
 from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias  # noqa: E402
-from vllm_ddtree.tree_walk import walk_tree  # noqa: E402
+from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused  # noqa: E402
 
 
 def timeit(fn, repeats: int = 20) -> float:
@@ -66,7 +67,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     D, V = args.depth, args.vocab
     print(f"vocab={V} depth={D} logits dtype={dtype}  (times in ms)")
-    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'bias':>7} {'bfused':>7} {'walk':>7} {'kv/layer':>8} {'kvLx':>7} {'kvfused':>7}")
+    print(f"{'R':>4} {'B':>4} {'topk':>7} {'tri':>7} {'torch':>7} {'mask':>7} {'bias':>7} {'bfused':>7} {'walk':>7} {'wfused':>7} {'kv/layer':>8} {'kvLx':>7} {'kvfused':>7}")
     for R in (1, 8, 32, 64):
         for B in (16, 64, 128, 256):
             logits = torch.randn(R, D, V, device="cuda").to(dtype)
@@ -87,6 +88,13 @@ def main() -> None:
             target = out.node_tokens.clone()  # accept the first-child path
             t_walk = timeit(lambda: walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D))
             walk = walk_tree(out.node_tokens, out.node_parents, out.node_valid, target, D)
+            # fused: node_samples by logit row (every request verifies its full tree)
+            samples = target.reshape(-1)
+            wcu = (torch.arange(R + 1, device="cuda") * (B + 1)).to(torch.int32)
+            widx = torch.arange(R, device="cuda", dtype=torch.int32)
+            wbuf = empty_walk(R, D, "cuda")
+            t_wfused = timeit(lambda: walk_tree_fused(samples, wcu, widx, out.node_tokens, out.node_parents,
+                                                     out.node_valid, D, out=wbuf))
             bs, heads, hs = 16, 8, 128
             nb = R * ((B + 1) // bs + 2) + 1
             kv = torch.randn(nb, bs, heads, 2 * hs, device="cuda").to(dtype).permute(0, 2, 1, 3)
@@ -110,7 +118,7 @@ def main() -> None:
             t_kvfused = timeit(lambda: compact_accepted_path_(
                 kvs, hidden, walk.accepted_nodes, walk.num_accepted, qsl, slot_mapping,
                 kv_ptr_table=table))
-            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_bias:7.3f} {t_fused:7.3f} {t_walk:7.3f} {t_kv:8.3f}"
+            print(f"{R:>4} {B:>4} {t_topk:7.3f} {t_tri:7.3f} {t_tor:7.3f} {t_mask:7.3f} {t_bias:7.3f} {t_fused:7.3f} {t_walk:7.3f} {t_wfused:7.3f} {t_kv:8.3f}"
                   f" {t_loop:7.3f} {t_kvfused:7.3f}")
             del logits, kv, kvs, hidden
 

@@ -28,6 +28,7 @@ from vllm_ddtree.tree_attention import (  # noqa: E402
     tree_attn_bias_launch_config,
 )
 from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
+from vllm_ddtree.tree_walk import _walk_fused_kernel  # noqa: E402
 
 TREE_SIG = {
     "topk_ids_ptr": "*i64", "topk_logp_ptr": "*fp32", "root_tokens_ptr": "*i64",
@@ -50,6 +51,13 @@ PATH_SIG = {
     "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64", "kv_inner": "i32",
     "hid_row_stride": "i64", "hid_inner": "i32",
     "HAS_KV": "constexpr", "HAS_HIDDEN": "constexpr", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+}
+WALK_SIG = {
+    "samples_ptr": "*i64", "cu_ptr": "*i32", "idx_ptr": "*i32", "tokens_ptr": "*i64",
+    "parents_ptr": "*i32", "valid_ptr": "*i1", "acc_ptr": "*i64", "num_acc_ptr": "*i32",
+    "out_tok_ptr": "*i64", "num_out_ptr": "*i32", "n": "i32", "max_depth": "i32",
+    "pad_id": "i32", "stride_tok": "i32", "stride_par": "i32", "stride_val": "i32",
+    "stride_acc": "i32", "stride_out": "i32", "BLOCK": "constexpr",
 }
 
 
@@ -99,6 +107,11 @@ def main() -> int:
                    "ROWS": "constexpr", "BLOCK": "constexpr"}
             variants.append((f"bias{pdtype}", _tree_attn_bias_kernel, sig, {(7,): rows, (8,): block},
                              {"num_warps": warps}))
+    for samples in ("*i64", "*i32"):
+        for block in ((16, 64, 256, 1024) if samples == "*i64" else (1024,)):
+            sig = dict(WALK_SIG, samples_ptr=samples)
+            variants.append((f"walk{samples}", _walk_fused_kernel, sig, {(18,): block},
+                             {"num_warps": 1 if block <= 128 else 4}))
     for name, fn, sig, consts, opts in variants:
         info = ptxas_info(compile_one(fn, sig, consts, **opts))
         info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
