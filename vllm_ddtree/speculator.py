@@ -24,6 +24,7 @@ One step, for every request of a batch, all on the GPU and without host syncs:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -38,15 +39,29 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.kv_compaction import compact_kv_cache_
+from vllm_ddtree.kv_compaction import (
+    build_kv_ptr_table,
+    compact_accepted_path_,
+    compact_kv_cache_,
+)
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import (
     allocate_tree_attn_bias,
     register_tree_attn_bias,
     write_tree_attn_bias,
+    write_tree_attn_bias_fused,
 )
 from vllm_ddtree.tree_builder import build_trees, empty_tree
-from vllm_ddtree.tree_walk import walk_tree
+from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused
+
+# One Triton launch each for the tree bias, the walk (with the sample gather) and the
+# compaction (all KV layers + hidden states). VLLM_DDTREE_FUSED_KERNELS=0 selects the
+# earlier multi-launch torch/Triton paths (same results), e.g. to bisect a problem.
+FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
+
+
+def fused_kernels_enabled() -> bool:
+    return os.environ.get(FUSED_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 logger = init_logger(__name__)
 
@@ -102,15 +117,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._pending_compaction = False
         self._target_kv_caches: list[torch.Tensor] = []
         self._target_layer_name: str | None = None
+        self.fused_kernels = fused_kernels_enabled()
+        self._kv_ptr_table = None
+        self.walk_buffers = empty_walk(self.max_num_reqs, self.tree_depth, device)
         # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
         self.profiler = StepProfiler.from_env()
         if self.profiler is not None:
             self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
-            "DDTree: budget %d nodes, depth %d, top-k %d per position",
+            "DDTree: budget %d nodes, depth %d, top-k %d per position, %s kernels",
             self.tree_budget,
             self.tree_depth,
             self.tree_top_k,
+            "fused" if self.fused_kernels else "unfused",
         )
 
     # ----------------------------------------------------------------- set-up
@@ -151,6 +170,19 @@ class DDTreeSpeculator(DFlashSpeculator):
                 if kv_cache.numel() == 0:
                     raise RuntimeError(f"ddtree: KV cache of {name} is not allocated")
                 self._target_kv_caches.append(kv_cache)
+            if self.fused_kernels:
+                try:
+                    self._kv_ptr_table = build_kv_ptr_table(
+                        self._target_kv_caches, "vllm", self._target_layer_names
+                    )
+                except ValueError as exc:
+                    # E.g. layers whose caches differ in shape: compact layer by layer.
+                    logger.warning(
+                        "ddtree: one-launch KV compaction unavailable (%s); "
+                        "compacting layer by layer",
+                        exc,
+                    )
+                    self._kv_ptr_table = None
         return self._target_kv_caches
 
     def make_tree_sampler(self, sampler: Sampler) -> DDTreeSampler:
@@ -165,10 +197,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.profiler.mark("verify", num_reqs)
         idx_mapping = input_batch.idx_mapping
         cu = input_batch.cu_num_logits
-        has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
-        write_tree_attn_bias(
-            self.tree_attn_bias, self.parents_by_state[idx_mapping], has_tree
-        )
+        if self.fused_kernels:
+            write_tree_attn_bias_fused(
+                self.tree_attn_bias, self.parents_by_state, idx_mapping, cu, self.tree_depth
+            )
+        else:
+            has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
+            write_tree_attn_bias(
+                self.tree_attn_bias, self.parents_by_state[idx_mapping], has_tree
+            )
         if input_batch.num_draft_tokens == 0:
             self._verified_rows = None
             return
@@ -202,6 +239,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Positions back to linear: row start + j holds the depth-j node after the
         # copy below, whose position is start + j.
         input_batch.positions[rows] = self._linear_positions
+        kv_caches = self._kv_caches()
+        if self.fused_kernels and self._kv_ptr_table is not None:
+            self._kv_ptr_table = compact_accepted_path_(
+                kv_caches,
+                hidden_states,
+                self.accepted_nodes[:num_reqs],
+                self.num_accepted[:num_reqs],
+                input_batch.query_start_loc,
+                slot_mappings[self._target_layer_name],
+                kv_ptr_table=self._kv_ptr_table,
+            )
+            return
         accepted = self.accepted_nodes[:num_reqs]  # [R, D+1], -1 padded
         start = input_batch.query_start_loc[:num_reqs].to(torch.int64)[:, None]
         j = torch.arange(accepted.shape[1], device=accepted.device)[None, :]
@@ -221,7 +270,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         slot_mapping = slot_mappings[self._target_layer_name].to(torch.int64)
         src_slots = torch.where(moves, slot_mapping[safe_src], -1)
         dst_slots = torch.where(moves, slot_mapping[safe_dst], -1)
-        for kv_cache in self._kv_caches():
+        for kv_cache in kv_caches:
             compact_kv_cache_(
                 kv_cache,
                 src_slots,
@@ -365,6 +414,46 @@ class DDTreeSampler:
             input_batch.expanded_local_pos,
         )
 
+        cu = input_batch.cu_num_logits
+        spec = self.speculator
+        idx_mapping = input_batch.idx_mapping
+        if spec.fused_kernels:
+            # One launch: node i of request r is logit row cu[r] + i; nodes the
+            # scheduler did not schedule (a prefix of the tree was verified) and
+            # requests without a tree are never accepted.
+            walk = walk_tree_fused(
+                node_samples,
+                cu,
+                idx_mapping,
+                spec.tokens_by_state,
+                spec.parents_by_state,
+                spec.valid_by_state,
+                self.tree_depth,
+                out=spec.walk_buffers,
+            )
+        else:
+            walk = self._walk_unfused(logits, input_batch, node_samples)
+        spec.record_walk(input_batch, walk.accepted_nodes, walk.num_accepted)
+        if profiler is not None:
+            profiler.mark("walked")
+
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            walk.num_output.to(torch.int32),
+            input_batch.seq_lens,
+            cu,
+            idx_mapping,
+            sampler.req_states.prefill_len.gpu,
+        )
+        return SamplerOutput(
+            sampled_token_ids=walk.output_tokens,
+            logprobs_tensors=None,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+
+    def _walk_unfused(self, logits, input_batch: InputBatch, node_samples):
+        """The multi-launch walk (VLLM_DDTREE_FUSED_KERNELS=0): same result."""
         num_reqs = input_batch.num_reqs
         device = logits.device
         cu = input_batch.cu_num_logits
@@ -394,21 +483,4 @@ class DDTreeSampler:
             target_tokens,
             self.tree_depth,
         )
-        spec.record_walk(input_batch, walk.accepted_nodes, walk.num_accepted)
-        if profiler is not None:
-            profiler.mark("walked")
-
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            walk.num_output.to(torch.int32),
-            input_batch.seq_lens,
-            cu,
-            idx_mapping,
-            sampler.req_states.prefill_len.gpu,
-        )
-        return SamplerOutput(
-            sampled_token_ids=walk.output_tokens,
-            logprobs_tensors=None,
-            num_nans=num_nans,
-            num_sampled=num_sampled,
-            num_rejected=num_rejected,
-        )
+        return walk

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU-host runs behind bench/results/, one step per device call (each under the
+# 10-minute call limit). Assumes the staged vLLM (/opt/vllm-site) and fixture payload
+# (/opt/smollm2-fixture: GGUF + prompt sets) of docs/benchmarks.md; writes to $OUT.
+#
+#   bash bench/gpu_session.sh checks   # convert target, apply series, GPU kernel tests,
+#                                      # greedy equivalence on the real pair (float32, eager)
+#   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots
+#   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end)
+#   bash bench/gpu_session.sh cost     # bench/run.py --suite cost8b (Qwen3-8B shape, dummy)
+#   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT="${OUT:-/tmp/ddtree-out}"
+mkdir -p "$OUT"
+export PYTHONPATH=".:/opt/vllm-site" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+  PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+TARGET=/opt/smollm2-hf DATA=/opt/smollm2-fixture/data DRAFTER=bench/fixture/smollm2-dflash
+
+prepare() {
+  if [ ! -f "$TARGET/config.json" ]; then
+    python3 -m bench.fixture.convert_smollm2 --gguf /opt/smollm2-fixture/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
+  fi
+  ./apply.sh --site /opt/vllm-site > "$OUT/apply.log" 2>&1 || { echo "apply failed"; tail -20 "$OUT/apply.log"; exit 1; }
+  # A GPU kernel failure (recorded by `checks`) switches to the unfused paths.
+  if [ -f /opt/ddtree-fused-kernels ]; then
+    VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+  fi
+}
+
+case "${1:-}" in
+  checks)
+    prepare
+    if timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
+        tests/unit/test_tree_bias_fused.py tests/unit/test_kv_compaction_fused.py > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
+      echo 1 > /opt/ddtree-fused-kernels
+    else
+      echo 0 > /opt/ddtree-fused-kernels; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
+    fi
+    tail -3 "$OUT/gpu-fused-kernel-tests.log"
+    timeout 150 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
+    echo "algos rc=$?"; tail -17 "$OUT/gpu-bench-algorithms.log"
+    VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+    timeout 400 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
+      --data "$DATA" --out "$OUT/gpu-equiv-real-fp32-eager.json" --dtype float32 --num-prompts 16 \
+      --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real.log" 2>&1
+    echo "equiv-real rc=$?"; grep '^{' "$OUT/gpu-equiv-real.log" | cut -c1-400
+    ;;
+  bench)
+    prepare
+    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-fixture.json" --profile-dir "$OUT" --plots "$OUT" \
+      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 ddtree-b16 dflash-t512 \
+      --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
+    echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
+    ;;
+  serve)
+    prepare
+    timeout 500 python3 bench/serve_e2e.py --target "$TARGET" --drafter "$DRAFTER" \
+      --out "$OUT/serve-e2e.json" --log-dir "$OUT" --time-budget 460 > "$OUT/serve-e2e.log" 2>&1
+    echo "serve rc=$?"; tail -40 "$OUT/serve-e2e.log" | cut -c1-300
+    ;;
+  cost)
+    prepare
+    timeout 560 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
+      --time-budget-s "${BENCH_BUDGET_S:-480}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
+    echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300
+    ;;
+  algos)
+    prepare
+    timeout 300 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
+    echo "algos rc=$?"; tail -20 "$OUT/gpu-bench-algorithms.log"
+    ;;
+  *) echo "usage: $0 checks|bench|serve|cost|algos" >&2; exit 2 ;;
+esac
