@@ -398,7 +398,7 @@ def serve_command(prefix: list[str], target: str, spec: dict, port: int, *,
         "--speculative-config", json.dumps(spec),
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
-        "--max-model-len", str(max_model_len),
+        "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--max-num-batched-tokens", "8192",
         "--enforce-eager", "--seed", "0",
         "--served-model-name", SERVED_MODEL_NAME,
     ]

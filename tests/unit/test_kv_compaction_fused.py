@@ -18,6 +18,7 @@ from vllm_ddtree.kv_compaction import (
 )
 
 NB, BS, H, HS = 16, 8, 2, 8  # blocks, block size, kv heads, head size
+DEV = "cpu"  # tests that run the kernels use conftest.triton_device instead
 DEPTH = 5  # accepted_nodes has DEPTH + 1 columns
 BUDGET = 9  # tree nodes besides the root
 
@@ -26,16 +27,17 @@ def _rand(gen, shape, dtype):
     return (torch.randn(*shape, generator=gen) * 4).to(dtype)
 
 
-def _make_caches(kind: str, num_layers: int, dtype, gen):
+def _make_caches(kind: str, num_layers: int, dtype, gen, device="cpu"):
     """Separate per-layer caches as the attention layers hold them (layout "vllm":
-    logical (nb, H, bs, 2*hs))."""
+    logical (nb, H, bs, 2*hs)), on ``device`` (random values drawn on the CPU)."""
     if kind == "hnd":  # physical = logical
-        return [_rand(gen, (NB, H, BS, 2 * HS), dtype) for _ in range(num_layers)]
+        return [_rand(gen, (NB, H, BS, 2 * HS), dtype).to(device) for _ in range(num_layers)]
     if kind == "nhd":  # vLLM default: physical (nb, bs, H, 2hs), permuted to logical
-        return [_rand(gen, (NB, BS, H, 2 * HS), dtype).permute(0, 2, 1, 3) for _ in range(num_layers)]
+        return [_rand(gen, (NB, BS, H, 2 * HS), dtype).to(device).permute(0, 2, 1, 3)
+                for _ in range(num_layers)]
     if kind == "shared_buffer":  # layers carved from one raw buffer at odd element gaps
         n = NB * BS * H * 2 * HS
-        raw = _rand(gen, (num_layers * (n + 3),), dtype)
+        raw = _rand(gen, (num_layers * (n + 3),), dtype).to(device)
         return [raw[i * (n + 3): i * (n + 3) + n].view(NB, BS, H, 2 * HS).permute(0, 2, 1, 3)
                 for i in range(num_layers)]
     raise AssertionError(kind)
@@ -90,7 +92,7 @@ def _current_path(kv_caches, hidden, acc, num_acc, qsl, slot_mapping, kv_backend
     """Literal copy of DDTreeSpeculator._compact_accepted_path (KV + hidden states)."""
     num_reqs = acc.shape[0]
     start = qsl[:num_reqs].to(torch.int64)[:, None]
-    j = torch.arange(acc.shape[1])[None, :]
+    j = torch.arange(acc.shape[1], device=acc.device)[None, :]
     on_path = (acc >= 0) & (j <= num_acc[:num_reqs, None])
     src_rows = torch.where(on_path, start + acc, -1).flatten()
     dst_rows = torch.where(on_path, start + j, -1).flatten()
@@ -132,12 +134,14 @@ def _count_launches(monkeypatch):
 @pytest.mark.parametrize("kind", ["hnd", "nhd", "shared_buffer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_matches_per_layer_path(triton_device, monkeypatch, kind, dtype):
+    DEV = triton_device
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}-{dtype}".encode()))
     num_layers = 4
     acc, num_acc, qsl, slots = _scenario(gen, num_req=7, pad_reqs=2)
+    acc, num_acc, qsl, slots = (t.to(DEV) for t in (acc, num_acc, qsl, slots))
     num_reqs = acc.shape[0]
-    caches = _make_caches(kind, num_layers, dtype, gen)
-    hidden = _rand(gen, (slots.shape[0], 24), dtype)
+    caches = _make_caches(kind, num_layers, dtype, gen, DEV)
+    hidden = _rand(gen, (slots.shape[0], 24), dtype).to(DEV)
 
     want_kv = [c.clone() for c in caches]
     want_h = hidden.clone()
@@ -171,13 +175,15 @@ def test_one_launch_matches_per_layer_path(triton_device, monkeypatch, kind, dty
 
 
 def test_semantics_by_loop(triton_device):
+    DEV = triton_device
     gen = torch.Generator().manual_seed(11)
     acc, num_acc, qsl, slots = _scenario(gen, num_req=6, pad_reqs=1)
-    caches = _make_caches("nhd", 3, torch.float32, gen)
-    hidden = _rand(gen, (slots.shape[0], 5, 3), torch.float32)  # 3-d hidden rows
+    acc, num_acc, qsl, slots = (t.to(DEV) for t in (acc, num_acc, qsl, slots))
+    caches = _make_caches("nhd", 3, torch.float32, gen, DEV)
+    hidden = _rand(gen, (slots.shape[0], 5, 3), torch.float32).to(DEV)  # 3-d hidden rows
     before_kv = [c.clone() for c in caches]
     before_h = hidden.clone()
-    wide = torch.full((acc.shape[0], acc.shape[1] + 3), -1, dtype=torch.int64)
+    wide = torch.full((acc.shape[0], acc.shape[1] + 3), -1, dtype=torch.int64, device=DEV)
     wide[:, : acc.shape[1]] = acc  # strided accepted_nodes rows, like a [:num_reqs] slice
     compact_accepted_path_(caches, hidden, wide[:, : acc.shape[1]], num_acc, qsl, slots, backend="triton")
     touched_rows, touched_slots = set(), set()
@@ -202,28 +208,32 @@ def test_semantics_by_loop(triton_device):
 
 
 def test_overlapping_moves_need_gather_then_scatter(triton_device):
+    DEV = triton_device
     # path 0 -> 2 -> 3 -> 5 inside one block: move 1 reads slot 2, which move 2 writes
-    caches = [torch.arange(NB * H * BS * 2 * HS, dtype=torch.float32).view(NB, H, BS, 2 * HS) + 1000 * i
-              for i in range(2)]
-    acc = torch.tensor([[0, 2, 3, 5, -1, -1]])
-    slots = torch.arange(3 * BS, 3 * BS + 8)
-    hidden = torch.arange(8 * 4, dtype=torch.float32).view(8, 4)
+    caches = [(torch.arange(NB * H * BS * 2 * HS, dtype=torch.float32).view(NB, H, BS, 2 * HS)
+               + 1000 * i).to(DEV) for i in range(2)]
+    acc = torch.tensor([[0, 2, 3, 5, -1, -1]], device=DEV)
+    slots = torch.arange(3 * BS, 3 * BS + 8, device=DEV)
+    hidden = torch.arange(8 * 4, dtype=torch.float32).view(8, 4).to(DEV)
     want = [c.clone() for c in caches]
     want_h = hidden.clone()
     for j, i in enumerate([0, 2, 3, 5]):
         for w, c in zip(want, caches):
             w[3, :, j] = c[3, :, i]
         want_h[j] = hidden[i]
-    compact_accepted_path_(caches, hidden, acc, torch.tensor([3]), torch.tensor([0, 8]), slots, backend="triton")
+    compact_accepted_path_(caches, hidden, acc, torch.tensor([3], device=DEV),
+                           torch.tensor([0, 8], device=DEV), slots, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(caches, want))
     assert torch.equal(hidden, want_h)
 
 
 def test_kv_only_hidden_only_and_empty(triton_device):
+    DEV = triton_device
     gen = torch.Generator().manual_seed(5)
     acc, num_acc, qsl, slots = _scenario(gen, num_req=5)
-    caches = _make_caches("hnd", 2, torch.bfloat16, gen)
-    hidden = _rand(gen, (slots.shape[0], 16), torch.bfloat16)
+    acc, num_acc, qsl, slots = (t.to(DEV) for t in (acc, num_acc, qsl, slots))
+    caches = _make_caches("hnd", 2, torch.bfloat16, gen, DEV)
+    hidden = _rand(gen, (slots.shape[0], 16), torch.bfloat16).to(DEV)
     want_kv, want_h = [c.clone() for c in caches], hidden.clone()
     compact_accepted_path_reference_(want_kv, want_h, acc, num_acc, qsl, slots)
     compact_accepted_path_(caches, None, acc, num_acc, qsl, slots, backend="triton")
@@ -238,8 +248,9 @@ def test_kv_only_hidden_only_and_empty(triton_device):
 def test_torch_backend_is_the_current_path():
     gen = torch.Generator().manual_seed(6)
     acc, num_acc, qsl, slots = _scenario(gen, num_req=6, pad_reqs=1)
-    caches = _make_caches("nhd", 3, torch.float32, gen)
-    hidden = _rand(gen, (slots.shape[0], 8), torch.float32)
+    acc, num_acc, qsl, slots = (t.to(DEV) for t in (acc, num_acc, qsl, slots))
+    caches = _make_caches("nhd", 3, torch.float32, gen, DEV)
+    hidden = _rand(gen, (slots.shape[0], 8), torch.float32).to(DEV)
     want_kv, want_h = [c.clone() for c in caches], hidden.clone()
     _current_path(want_kv, want_h, acc, num_acc, qsl, slots, "torch")
     assert compact_accepted_path_(caches, hidden, acc, num_acc, qsl, slots, backend="torch") is None
@@ -262,14 +273,14 @@ def test_accepted_path_moves():
 
 def test_pointer_table_checks():
     gen = torch.Generator().manual_seed(7)
-    caches = _make_caches("nhd", 3, torch.bfloat16, gen)
+    caches = _make_caches("nhd", 3, torch.bfloat16, gen, DEV)
     table = build_kv_ptr_table(caches)
     assert table.matches(caches)
     assert (table.offsets >= 0).all() and int(table.offsets.min()) == 0
     assert not table.matches(caches[:2])
     assert not table.matches([caches[0], caches[1], caches[2].clone()])
     # widened to 8-byte words when the spacing allows; shared buffer at odd gaps: not
-    shared = build_kv_ptr_table(_make_caches("shared_buffer", 3, torch.bfloat16, gen))
+    shared = build_kv_ptr_table(_make_caches("shared_buffer", 3, torch.bfloat16, gen, DEV))
     assert table.base.dtype == torch.int64  # separate allocations are 8-byte aligned
     n = NB * BS * H * 2 * HS + 3
     assert shared.base.dtype == torch.bfloat16 and shared.offsets.tolist() == [0, n, 2 * n]
@@ -286,11 +297,13 @@ def test_pointer_table_checks():
 
 
 def test_stale_table_is_rebuilt(triton_device):
+    DEV = triton_device
     gen = torch.Generator().manual_seed(8)
     acc, num_acc, qsl, slots = _scenario(gen, num_req=4)
-    old = _make_caches("nhd", 2, torch.float32, gen)
+    acc, num_acc, qsl, slots = (t.to(DEV) for t in (acc, num_acc, qsl, slots))
+    old = _make_caches("nhd", 2, torch.float32, gen, DEV)
     table = build_kv_ptr_table(old)
-    caches = _make_caches("nhd", 2, torch.float32, gen)
+    caches = _make_caches("nhd", 2, torch.float32, gen, DEV)
     want = [c.clone() for c in caches]
     compact_accepted_path_reference_(want, None, acc, num_acc, qsl, slots)
     new_table = compact_accepted_path_(caches, None, acc, num_acc, qsl, slots, kv_ptr_table=table,
