@@ -160,6 +160,27 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The caches are bound to the layers after set_attn; resolved on first use.
         self._target_kv_caches = []
 
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """The drafter's graphs, for its query of 1 + depth tokens per request.
+
+        vLLM's graph manager expands a batch-size schedule of the budget
+        (``num_speculative_tokens_per_batch_size``, e.g. from
+        ``ddtree_tokens_per_step``) into one graph family per budget, deriving each
+        query length as ``budget + (decode_query_len - num_speculative_tokens)``.
+        That fits the chain, whose drafter query grows with K, but not DDTree: the
+        budget only changes how many tree nodes the *target* verifies, while the
+        drafter always queries 1 + depth tokens per request (with a budget of 64
+        and depth 15 the derived lengths go negative and capture fails). So the
+        drafter's manager is built without the schedule.
+        """
+        spec = self.vllm_config.speculative_config
+        schedule = spec.num_speculative_tokens_per_batch_size
+        spec.num_speculative_tokens_per_batch_size = None
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = schedule
+
     def _kv_caches(self) -> list[torch.Tensor]:
         if not self._target_kv_caches:
             forward_context = self.vllm_config.compilation_config.static_forward_context
