@@ -168,6 +168,16 @@ def compare(
     return checks
 
 
+def greedy_checks(entries: dict[Key, Entry]) -> list[Check]:
+    """greedy_match must be true wherever an entry reports it, baseline or not."""
+    return [
+        Check(key, "greedy_match", "-", str(e.greedy_match).lower(), "true", e.greedy_match is True,
+              "outputs differ from the target's" if e.greedy_match is False else "")
+        for key, e in entries.items()
+        if e.greedy_match is not None
+    ]
+
+
 def render_table(checks: list[Check]) -> str:
     header = ("entry", "metric", "baseline", "current", "limit", "status", "note")
     rows = [header] + [
@@ -198,31 +208,41 @@ def main(argv: list[str] | None = None) -> int:
                         help="allowed relative drop of tau below the baseline (default 0.05)")
     parser.add_argument("--tps-tolerance", type=_tolerance, default=0.10,
                         help="allowed relative drop of output tokens/s below the baseline (default 0.10)")
+    parser.add_argument("--allow-missing-baseline", action="store_true",
+                        help="without a baseline file, check greedy equivalence only (exit 0 if it holds)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on bad usage, which matches EXIT_BAD_INPUT
         return int(exc.code or 0)
 
     try:
-        baseline = load_results(args.baseline)
         current = load_results(args.current)
+        if args.allow_missing_baseline and not args.baseline.exists():
+            print(f"check_regression: no baseline at {args.baseline}: only greedy equivalence is "
+                  "checked; commit this run's result there to gate tau and tokens/s",
+                  file=sys.stderr)
+            baseline = {}
+        else:
+            baseline = load_results(args.baseline)
     except InputError as exc:
         print(f"check_regression: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
     checks = compare(baseline, current, args.tau_tolerance, args.tps_tolerance)
-    print(render_table(checks))
     extra = [key for key in current if key not in baseline]
+    # Losslessness needs no baseline: a greedy mismatch fails wherever it appears.
+    checks += greedy_checks({k: current[k] for k in extra})
+    print(render_table(checks) if checks else "(no checks)")
     if extra:
         print(f"\n{len(extra)} current entr{'y' if len(extra) == 1 else 'ies'} without a baseline "
-              f"(not checked): {', '.join(format_key(k) for k in extra)}")
+              f"(tau and tokens/s not checked): {', '.join(format_key(k) for k in extra)}")
     failures = [c for c in checks if not c.ok]
     print()
     if failures:
         print(f"FAIL: {len(failures)} of {len(checks)} checks failed "
               f"(tau tolerance {args.tau_tolerance:g}, tokens/s tolerance {args.tps_tolerance:g})")
         return EXIT_REGRESSION
-    print(f"PASS: {len(checks)} checks over {len(baseline)} baseline entries "
+    print(f"PASS: {len(checks)} checks over {len(baseline)} baseline entries and {len(extra)} others "
           f"(tau tolerance {args.tau_tolerance:g}, tokens/s tolerance {args.tps_tolerance:g})")
     return EXIT_PASS
 

@@ -142,7 +142,41 @@ def test_extra_current_entries_are_reported_not_failed(tmp_path):
                                "greedy_match": True})
     rc, out, _ = run(tmp_path, current)
     assert rc == 0
-    assert "without a baseline (not checked): ddtree-b64/humaneval/bs1/T0" in out
+    assert "without a baseline (tau and tokens/s not checked): ddtree-b64/humaneval/bs1/T0" in out
+
+
+def test_greedy_mismatch_in_an_entry_without_baseline_fails(tmp_path):
+    current = copy.deepcopy(BASELINE)
+    current["results"].append({"config": "ddtree-b64", "prompt_set": "humaneval", "batch_size": 1,
+                               "temperature": 0.0, "tau": 4.4, "output_tokens_per_s": 950.0,
+                               "greedy_match": False})
+    rc, out, _ = run(tmp_path, current)
+    assert rc == 1
+    assert "ddtree-b64/humaneval/bs1/T0" in out and "FAIL" in out
+
+
+def _run_without_baseline(tmp_path, current, *extra):
+    cur = write(tmp_path / "current.json", current)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--baseline", str(tmp_path / "absent.json"),
+         "--current", str(cur), *extra],
+        capture_output=True, text=True, timeout=60,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_missing_baseline_is_an_error_unless_allowed(tmp_path):
+    rc, _, err = _run_without_baseline(tmp_path, BASELINE)
+    assert rc == 2 and "absent.json" in err
+    rc, out, err = _run_without_baseline(tmp_path, BASELINE, "--allow-missing-baseline")
+    assert rc == 0 and "only greedy equivalence is checked" in err
+    assert "PASS" in out
+
+
+def test_missing_baseline_still_gates_greedy_equivalence(tmp_path):
+    rc, out, _ = _run_without_baseline(tmp_path, changed(e2={"greedy_match": False}),
+                                       "--allow-missing-baseline")
+    assert rc == 1 and "FAIL" in out
 
 
 def test_entries_match_on_temperature(tmp_path):
