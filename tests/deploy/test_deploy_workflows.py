@@ -54,8 +54,14 @@ def test_gpu_workflow_runs_on_the_h200_runner():
     config = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())
     assert {"gpu", "h200"} <= set(config["self-hosted-runner"]["labels"])
     assert step("gpu.yml", "GPU tests")["run"] == '"$VLLM_PYTHON" -m pytest -q -m gpu'
-    assert step("gpu.yml", "Benchmark")["run"] == (
-        '"$VLLM_PYTHON" bench/run.py --suite ci --out bench/results/ci-latest.json')
+    bench = shlex.split(step("gpu.yml", "Benchmark")["run"])
+    assert bench[:6] == ["$VLLM_PYTHON", "bench/run.py", "--suite", "ci", "--out",
+                         "bench/results/ci-latest.json"]
+    # The benchmark pair comes from the preparation step (bench/fixture/prepare.sh).
+    prepare = step("gpu.yml", "Prepare the benchmark pair (SmolLM2 target, prompts; drafter is committed)")
+    assert "bench/fixture/prepare.sh" in prepare["run"]
+    assert bench[bench.index("--target") + 1] == "$RUNNER_TEMP/fixture/smollm2-hf"
+    assert bench[bench.index("--data") + 1] == "$RUNNER_TEMP/fixture/smollm2-fixture/data"
     revert = step("gpu.yml", "Revert the series")
     assert revert["if"].startswith("always()")
 
@@ -63,7 +69,10 @@ def test_gpu_workflow_runs_on_the_h200_runner():
 def test_gpu_regression_step_runs_check_regression(tmp_path):
     argv = shlex.split(step("gpu.yml", "Regression check against the committed baseline")["run"])
     assert argv[:2] == ["python3", "ci/check_regression.py"]
-    options = dict(zip(argv[2::2], argv[3::2]))
+    flags = [a for a in argv[2:] if a == "--allow-missing-baseline"]
+    assert flags == ["--allow-missing-baseline"]  # until a baseline is committed
+    valued = [a for a in argv[2:] if a not in flags]
+    options = dict(zip(valued[0::2], valued[1::2]))
     assert options == {"--baseline": "bench/results/baseline.json", "--current": "bench/results/ci-latest.json",
                        "--tau-tolerance": "0.05", "--tps-tolerance": "0.10"}
     # The same command line works on files of the documented format.
@@ -74,7 +83,7 @@ def test_gpu_regression_step_runs_check_regression(tmp_path):
         path = tmp_path / key.strip("-")
         path.write_text(json.dumps(result_file))
         options[key] = str(path)
-    args = [word for pair in options.items() for word in pair]
+    args = [word for pair in options.items() for word in pair] + flags
     proc = subprocess.run([sys.executable, str(ROOT / argv[1]), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
