@@ -94,6 +94,7 @@ def _engine(target, spec, eager, dummy, dtype, **kw):
         gpu_memory_utilization=float(os.environ.get("GPU_MEM_UTIL", "0.12")),
         max_model_len=2048,
         seed=0,
+        tensor_parallel_size=int(os.environ.get("DDTREE_CHECK_TP", "1")),
         **kw,
     )
 

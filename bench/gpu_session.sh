@@ -9,6 +9,10 @@
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end)
 #   bash bench/gpu_session.sh cost     # bench/run.py --suite cost8b (Qwen3-8B shape, dummy)
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
+#   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
+#   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
+#   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
+#   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/ddtree-out}"
@@ -51,13 +55,14 @@ case "${1:-}" in
     prepare
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-fixture.json" --profile-dir "$OUT" --plots "$OUT" \
-      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 ddtree-b16 dflash-t512 \
+      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b16 \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;
   serve)
     prepare
     timeout 500 python3 bench/serve_e2e.py --target "$TARGET" --drafter "$DRAFTER" \
+      --dtype "${SERVE_DTYPE:-auto}" \
       --out "$OUT/serve-e2e.json" --log-dir "$OUT" --time-budget 460 > "$OUT/serve-e2e.log" 2>&1
     echo "serve rc=$?"; tail -40 "$OUT/serve-e2e.log" | cut -c1-300
     ;;
@@ -72,5 +77,32 @@ case "${1:-}" in
     timeout 300 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
     echo "algos rc=$?"; tail -20 "$OUT/gpu-bench-algorithms.log"
     ;;
-  *) echo "usage: $0 checks|bench|serve|cost|algos" >&2; exit 2 ;;
+  graphs)
+    prepare
+    timeout 560 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
+      --data "$DATA" --out "$OUT/gpu-equiv-real-fp32-graphs.json" --dtype float32 --num-prompts 16 \
+      --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs > "$OUT/gpu-equiv-real-graphs.log" 2>&1
+    echo "equiv-real graphs rc=$?"; grep '^{' "$OUT/gpu-equiv-real-graphs.log" | cut -c1-400
+    ;;
+  ci)
+    prepare
+    timeout 560 python3 bench/run.py --suite ci --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/ci-latest.json" > "$OUT/ci-latest.log" 2>&1
+    echo "ci rc=$?"; grep '^{\|failed' "$OUT/ci-latest.log" | cut -c1-300
+    ;;
+  control)
+    prepare
+    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-control-triton.json" --attention-backend TRITON_ATTN \
+      --configs no-spec ddtree-b32 dflash --temperatures 0 > "$OUT/bench-control.log" 2>&1
+    echo "control rc=$?"; grep '^{\|failed' "$OUT/bench-control.log" | cut -c1-300
+    ;;
+  tp)
+    prepare
+    DDTREE_CHECK_TP=2 timeout 560 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
+      --data "$DATA" --out "$OUT/gpu-equiv-real-tp2.json" --dtype float32 --num-prompts 16 \
+      --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real-tp2.log" 2>&1
+    echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-real-tp2.log" | cut -c1-400
+    ;;
+  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp" >&2; exit 2 ;;
 esac

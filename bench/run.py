@@ -354,6 +354,12 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
     )
     if args.async_scheduling != "auto":
         kw["async_scheduling"] = args.async_scheduling == "on"
+    if args.attention_backend:
+        # E.g. TRITON_ATTN for every engine: DDTree verifies on it, so greedy
+        # comparisons then carry no backend rounding differences.
+        kw["attention_config"] = {"backend": args.attention_backend}
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     if suite.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
     profile = None
@@ -443,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="default: 0.2 (fixture, ci), 0.4 (cost8b)")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--attention-backend", default=None,
+                    help="attention backend for every engine (default: vLLM's choice; "
+                         "DDTree always uses TRITON_ATTN)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="vLLM's asynchronous scheduling (auto: vLLM's default, on for "
                          "DFlash and DDTree)")

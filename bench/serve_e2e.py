@@ -333,6 +333,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="server port (0: a free one)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", default="auto", help="server and offline reference dtype "
+                   "(float32 makes the greedy comparison exact)")
+    p.add_argument("--reference-attention-backend", default="TRITON_ATTN",
+                   help="attention backend of the offline no-speculation reference "
+                        "(DDTree verifies on TRITON_ATTN; '' for vLLM's default)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--bad-config-timeout", type=float, default=120.0)
     p.add_argument("--request-timeout", type=float, default=60.0, help="per request, seconds")
@@ -392,9 +397,10 @@ def server_prefix(server_cmd: str | None) -> list[str]:
 
 
 def serve_command(prefix: list[str], target: str, spec: dict, port: int, *,
-                  gpu_memory_utilization: float = 0.25, max_model_len: int = 2048) -> list[str]:
+                  gpu_memory_utilization: float = 0.25, max_model_len: int = 2048,
+                  dtype: str = "auto") -> list[str]:
     return prefix + [
-        "serve", target,
+        "serve", target, "--dtype", dtype,
         "--speculative-config", json.dumps(spec),
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
@@ -898,9 +904,15 @@ def offline_worker(spec_path: str, out_path: str) -> int:
     t0 = time.monotonic()
     from vllm import LLM, SamplingParams
 
+    extra = {}
+    if spec.get("attention_backend"):
+        # The DDTree server verifies on TRITON_ATTN; the same backend here makes the
+        # greedy comparison free of backend rounding differences.
+        extra["attention_config"] = {"backend": spec["attention_backend"]}
     llm = LLM(model=spec["target"], enforce_eager=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
-              max_model_len=spec["max_model_len"], seed=0)
+              max_model_len=spec["max_model_len"], seed=0, dtype=spec.get("dtype", "auto"),
+              **extra)
     init_s = time.monotonic() - t0
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in spec["prompts"]]
     sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -927,6 +939,7 @@ def run_offline(run: Run, load: list[dict]) -> None:
         return
     spec = {"target": args.target, "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
+            "dtype": args.dtype, "attention_backend": args.reference_attention_backend,
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
     spec_path = os.path.join(args.log_dir, "offline-spec.json")
     out_path = os.path.join(args.log_dir, "offline-out.json")
@@ -1024,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = speculative_config(args.drafter, args.budget, ddtree_max_depth=args.max_depth)
         cmd = serve_command(prefix, args.target, spec, port,
                             gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=args.max_model_len)
+                            max_model_len=args.max_model_len, dtype=args.dtype)
         stdout_path = os.path.join(args.log_dir, "server.stdout.log")
         stderr_path = os.path.join(args.log_dir, "server.stderr.log")
         run.result["server"] = {"command": shlex.join(cmd), "env": SERVER_ENV, "base_url": base,
