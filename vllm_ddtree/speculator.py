@@ -40,6 +40,7 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.kv_compaction import (
+    accepted_path_moves,
     build_kv_ptr_table,
     compact_accepted_path_,
     compact_kv_cache_,
@@ -272,25 +273,17 @@ class DDTreeSpeculator(DFlashSpeculator):
                 kv_ptr_table=self._kv_ptr_table,
             )
             return
-        accepted = self.accepted_nodes[:num_reqs]  # [R, D+1], -1 padded
-        start = input_batch.query_start_loc[:num_reqs].to(torch.int64)[:, None]
-        j = torch.arange(accepted.shape[1], device=accepted.device)[None, :]
-        on_path = (accepted >= 0) & (j <= self.num_accepted[:num_reqs, None])
-        src_rows = torch.where(on_path, start + accepted, -1).flatten()
-        dst_rows = torch.where(on_path, start + j, -1).flatten()
-        moves = on_path.flatten() & (src_rows != dst_rows)
-        src_rows = torch.where(moves, src_rows, -1)
-        dst_rows = torch.where(moves, dst_rows, -1)
-        # Hidden states feeding the drafter: gather, then scatter (safe in place).
+        # Unfused (VLLM_DDTREE_FUSED_KERNELS=0, or caches that differ per layer):
+        # the same moves, hidden rows by gather-then-scatter, KV layer by layer.
+        src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
+            self.accepted_nodes[:num_reqs],
+            self.num_accepted[:num_reqs],
+            input_batch.query_start_loc,
+            slot_mappings[self._target_layer_name],
+        )
         # Non-moves copy row 0 onto itself (no move ever targets row 0: the root
         # stays where it is).
-        safe_src = torch.where(moves, src_rows, 0)
-        safe_dst = torch.where(moves, dst_rows, 0)
-        hidden_states[safe_dst] = hidden_states[safe_src]
-        # KV of every target attention layer; a negative slot is skipped.
-        slot_mapping = slot_mappings[self._target_layer_name].to(torch.int64)
-        src_slots = torch.where(moves, slot_mapping[safe_src], -1)
-        dst_slots = torch.where(moves, slot_mapping[safe_dst], -1)
+        hidden_states[dst_rows.clamp(min=0)] = hidden_states[src_rows.clamp(min=0)]
         for kv_cache in kv_caches:
             compact_kv_cache_(
                 kv_cache,
