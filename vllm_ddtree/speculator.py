@@ -53,11 +53,13 @@ from vllm_ddtree.tree_attention import (
     write_tree_attn_bias_fused,
 )
 from vllm_ddtree.tree_builder import build_trees, empty_tree
+from vllm_ddtree.tree_mask import rewrite_tree_positions_
 from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused
 
-# One Triton launch each for the tree bias, the walk (with the sample gather) and the
-# compaction (all KV layers + hidden states). VLLM_DDTREE_FUSED_KERNELS=0 selects the
-# earlier multi-launch torch/Triton paths (same results), e.g. to bisect a problem.
+# One Triton launch each for the tree bias, the tree positions, the walk (with the
+# sample gather) and the compaction (all KV layers + hidden states).
+# VLLM_DDTREE_FUSED_KERNELS=0 selects the earlier multi-launch torch/Triton paths
+# (same results), e.g. to bisect a problem.
 FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
 
 
@@ -119,6 +121,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._target_kv_caches: list[torch.Tensor] = []
         self._target_layer_name: str | None = None
         self.fused_kernels = fused_kernels_enabled()
+        # Linear positions of the verified rows (one per logit), restored after the walk.
+        self._linear_positions_buf = torch.zeros(
+            self.max_num_tokens, dtype=torch.int64, device=device
+        )
         self._kv_ptr_table = None
         self.walk_buffers = empty_walk(self.max_num_reqs, self.tree_depth, device)
         # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
@@ -233,12 +239,23 @@ class DDTreeSpeculator(DFlashSpeculator):
             return
         # Logit rows of tree requests are exactly their tokens: root + drafts.
         rows = input_batch.logits_indices
-        local = input_batch.expanded_local_pos.to(torch.int64)
-        depth = self.depths_by_state[input_batch.expanded_idx_mapping, local]
         positions = input_batch.positions
-        self._linear_positions = positions[rows].clone()
-        root_position = positions[rows - local]
-        positions[rows] = root_position + depth.to(positions.dtype)
+        if self.fused_kernels:
+            # One launch: positions[row] = (root + l) - l + depth, linear saved.
+            self._linear_positions = rewrite_tree_positions_(
+                positions,
+                rows,
+                input_batch.expanded_local_pos,
+                input_batch.expanded_idx_mapping,
+                self.depths_by_state,
+                self._linear_positions_buf,
+            )
+        else:
+            local = input_batch.expanded_local_pos.to(torch.int64)
+            depth = self.depths_by_state[input_batch.expanded_idx_mapping, local]
+            self._linear_positions = positions[rows].clone()
+            root_position = positions[rows - local]
+            positions[rows] = root_position + depth.to(positions.dtype)
         self._verified_rows = rows
 
     def record_walk(self, input_batch: InputBatch, accepted_nodes, num_accepted) -> None:

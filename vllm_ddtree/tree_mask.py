@@ -11,13 +11,20 @@ Padding nodes (``node_valid`` False; parent 0, depth 1) get the row of a depth-1
 nodes; their outputs are ignored because they are never accepted.
 
 Shapes: ``node_parents`` [R, N] int (root: -1, parent index < child index), N = B + 1.
+
+:func:`rewrite_tree_positions_` rewrites the runner's linear positions of the verified
+rows to ``root + depth`` in ONE Triton launch (torch fallback where Triton cannot run).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._triton import can_use_triton, jit, tl
+
 __all__ = [
+    "rewrite_tree_positions_",
+    "rewrite_tree_positions_reference",
     "tree_ancestor_mask",
     "tree_ancestor_mask_reference",
     "tree_attention_bias",
@@ -137,3 +144,151 @@ def tree_positions_reference(node_depths: torch.Tensor, start_positions: torch.T
         for i in range(n):
             out[r, i] = int(start_positions[r]) + int(node_depths[r, i])
     return out
+
+
+# ----------------------------------------------- in-place rewrite of verified positions
+
+REWRITE_POSITIONS_BLOCK = 512
+
+
+def _rewrite_positions_kernel(
+    pos_ptr,  # [num_tokens] int32/int64, rewritten in place
+    rows_ptr,  # [n] int: logit row i -> token row
+    local_ptr,  # [n] int: node index l of logit row i within its request
+    idx_ptr,  # [n] int: request state s of logit row i
+    depths_ptr,  # [S, N] int32 (strides depths_stride0, depths_stride1)
+    lin_ptr,  # [>= n] same dtype as positions: the linear positions, out
+    n,
+    depths_stride0,
+    depths_stride1,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    row = tl.load(rows_ptr + i, mask=ok, other=0).to(tl.int64)
+    local = tl.load(local_ptr + i, mask=ok, other=0).to(tl.int64)
+    state = tl.load(idx_ptr + i, mask=ok, other=0).to(tl.int64)
+    lin = tl.load(pos_ptr + row, mask=ok, other=0)
+    depth = tl.load(depths_ptr + state * depths_stride0 + local * depths_stride1, mask=ok, other=0)
+    tl.store(lin_ptr + i, lin, mask=ok)
+    new = lin.to(tl.int64) - local + depth.to(tl.int64)
+    tl.store(pos_ptr + row, new.to(lin.dtype), mask=ok)
+
+
+def _check_rewrite_args(positions, logits_indices, expanded_local_pos, expanded_idx_mapping,
+                        depths_by_state, linear_out) -> int:
+    if positions.ndim != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be 1-D int32/int64, got {tuple(positions.shape)} {positions.dtype}")
+    if not positions.is_contiguous():
+        raise ValueError("positions must be contiguous")
+    if depths_by_state.ndim != 2:
+        raise ValueError(f"depths_by_state must be [S, N], got {tuple(depths_by_state.shape)}")
+    n = logits_indices.numel()
+    for name, t in (("logits_indices", logits_indices), ("expanded_local_pos", expanded_local_pos),
+                    ("expanded_idx_mapping", expanded_idx_mapping), ("depths_by_state", depths_by_state)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != positions.device:
+            raise ValueError(f"{name} is on {t.device}, positions on {positions.device}")
+    for name, t in (("logits_indices", logits_indices), ("expanded_local_pos", expanded_local_pos),
+                    ("expanded_idx_mapping", expanded_idx_mapping)):
+        if t.ndim != 1 or t.shape[0] != n:
+            raise ValueError(f"{name} must be 1-D of {n} entries, got {tuple(t.shape)}")
+    if linear_out.ndim != 1 or linear_out.shape[0] < n or linear_out.dtype != positions.dtype:
+        raise ValueError(
+            f"linear_out must be 1-D {positions.dtype} with >= {n} entries, got "
+            f"{tuple(linear_out.shape)} {linear_out.dtype}"
+        )
+    if linear_out.device != positions.device or not linear_out.is_contiguous():
+        raise ValueError("linear_out must be contiguous and on the positions' device")
+    return n
+
+
+def rewrite_tree_positions_(
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    expanded_idx_mapping: torch.Tensor,
+    depths_by_state: torch.Tensor,
+    linear_out: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Linear positions of the verified rows -> ``root + depth``, in place, one launch.
+
+    For every logit row ``i < n = logits_indices.numel()``, with ``row =
+    logits_indices[i]``, ``l = expanded_local_pos[i]``, ``s = expanded_idx_mapping[i]``::
+
+        lin = positions[row]
+        linear_out[i] = lin
+        positions[row] = lin - l + depths_by_state[s, l]
+
+    The runner lays a request's nodes out linearly, so ``lin - l`` is the root's
+    position; the root (l = 0, depth 0) keeps it. Rows must be distinct. Positions
+    outside ``logits_indices`` and ``linear_out[n:]`` are untouched.
+
+    ``positions``: [num_tokens] int32/int64, contiguous. Index tensors: [n] int32/int64.
+    ``depths_by_state``: [S, N] int (any strides). ``linear_out``: [>= n], the dtype of
+    ``positions``, contiguous. ``backend``: ``"auto"`` (Triton where it can run: CUDA,
+    or CPU with ``TRITON_INTERPRET=1``; else torch), ``"triton"`` or ``"torch"``.
+    Returns ``linear_out[:n]``. No host sync.
+
+    Undo with ``positions[logits_indices] = linear_out[:n]`` (one torch launch already).
+    """
+    n = _check_rewrite_args(positions, logits_indices, expanded_local_pos,
+                            expanded_idx_mapping, depths_by_state, linear_out)
+    tensors = (positions, logits_indices, expanded_local_pos, expanded_idx_mapping,
+               depths_by_state, linear_out)
+    if backend == "auto":
+        backend = "triton" if can_use_triton(*tensors) else "torch"
+    linear = linear_out[:n]
+    if backend == "torch":
+        rows = logits_indices.long()
+        local = expanded_local_pos.long()
+        torch.index_select(positions, 0, rows, out=linear)
+        depth = depths_by_state[expanded_idx_mapping.long(), local].long()
+        positions[rows] = (linear.long() - local + depth).to(positions.dtype)
+        return linear
+    if backend != "triton":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not can_use_triton(*tensors):
+        raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if n == 0:
+        return linear
+    block = REWRITE_POSITIONS_BLOCK
+    jit(_rewrite_positions_kernel)[((n + block - 1) // block,)](
+        positions,
+        logits_indices,
+        expanded_local_pos,
+        expanded_idx_mapping,
+        depths_by_state,
+        linear_out,
+        n,
+        depths_by_state.stride(0),
+        depths_by_state.stride(1),
+        BLOCK=block,
+        num_warps=4,
+    )
+    return linear
+
+
+def rewrite_tree_positions_reference(
+    positions: torch.Tensor,
+    logits_indices: torch.Tensor,
+    expanded_local_pos: torch.Tensor,
+    expanded_idx_mapping: torch.Tensor,
+    depths_by_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loop version of :func:`rewrite_tree_positions_` (tests): returns new
+    ``(positions, linear)`` on the CPU and leaves the inputs alone."""
+    pos = positions.cpu().tolist()
+    rows = logits_indices.cpu().tolist()
+    local = expanded_local_pos.cpu().tolist()
+    states = expanded_idx_mapping.cpu().tolist()
+    depths = depths_by_state.cpu().tolist()
+    linear = []
+    for row, l, s in zip(rows, local, states):
+        linear.append(pos[row])
+        pos[row] = pos[row] - l + depths[s][l]
+    return (torch.tensor(pos, dtype=positions.dtype),
+            torch.tensor(linear, dtype=positions.dtype))

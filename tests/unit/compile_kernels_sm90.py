@@ -28,6 +28,7 @@ from vllm_ddtree.tree_attention import (  # noqa: E402
     tree_attn_bias_launch_config,
 )
 from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
+from vllm_ddtree.tree_mask import REWRITE_POSITIONS_BLOCK, _rewrite_positions_kernel  # noqa: E402
 from vllm_ddtree.tree_walk import _walk_fused_kernel  # noqa: E402
 
 TREE_SIG = {
@@ -112,6 +113,12 @@ def main() -> int:
             sig = dict(WALK_SIG, samples_ptr=samples)
             variants.append((f"walk{samples}", _walk_fused_kernel, sig, {(18,): block},
                              {"num_warps": 1 if block <= 128 else 4}))
+    for pos, idx in (("*i64", "*i64"), ("*i64", "*i32"), ("*i32", "*i32")):
+        sig = {"pos_ptr": pos, "rows_ptr": idx, "local_ptr": "*i32", "idx_ptr": idx,
+               "depths_ptr": "*i32", "lin_ptr": pos, "n": "i32", "depths_stride0": "i32",
+               "depths_stride1": "i32", "BLOCK": "constexpr"}
+        variants.append((f"positions{pos}{idx}", _rewrite_positions_kernel, sig,
+                         {(9,): REWRITE_POSITIONS_BLOCK}, {"num_warps": 4}))
     for name, fn, sig, consts, opts in variants:
         info = ptxas_info(compile_one(fn, sig, consts, **opts))
         info.update(kernel=name, constexprs={str(k[0]): v for k, v in consts.items()}, **opts)
