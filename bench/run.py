@@ -261,6 +261,31 @@ def cell_summary(
     }
 
 
+def cost_model(results: list[dict], max_slowdown: float = 1.15) -> dict | None:
+    """Step cost against verified tokens per forward, and the knee that
+    ``ddtree_tokens_per_step`` should use (:func:`vllm_ddtree.budget.knee_tokens`).
+
+    A step emits tau tokens per request, so its cost is TPOT x tau (no speculation:
+    TPOT, one token per request per step, ``batch`` tokens per forward)."""
+    from vllm_ddtree.budget import knee_tokens
+
+    points = []
+    for r in results:
+        tpot = r.get("time_per_output_token_ms")
+        if not tpot:
+            continue
+        tokens = r.get("verified_tokens_per_forward") or (r["batch_size"] if not r.get("tau") else None)
+        if not tokens:
+            continue
+        points.append({"config": r["config"], "batch_size": r["batch_size"],
+                       "verified_tokens": tokens, "step_ms": round(tpot * (r.get("tau") or 1.0), 4)})
+    if not points:
+        return None
+    knee = knee_tokens([(p["verified_tokens"], p["step_ms"]) for p in points], max_slowdown)
+    return {"points": sorted(points, key=lambda p: p["verified_tokens"]),
+            "max_slowdown": max_slowdown, "suggested_ddtree_tokens_per_step": knee}
+
+
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -563,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.save()
         _free(llm)
     rec.doc["wall_s"] = round(time.time() - t_start, 1)
+    if suite.dummy:
+        rec.doc["cost_model"] = cost_model(rec.doc["results"])
     rec.save()
     if args.plots:
         try:

@@ -82,3 +82,29 @@ def expand_schedule(schedule: list[tuple[int, int, int]], max_batch: int) -> lis
         for n in range(first, min(last, max_batch) + 1):
             table[n] = b
     return table
+
+
+def knee_tokens(points: list[tuple[float, float]], max_slowdown: float = 1.15) -> int:
+    """The largest verified-token count whose step cost stays within ``max_slowdown``
+    of the cheapest measured step, from ``(tokens per forward, step ms)`` points
+    (e.g. ``bench/run.py --suite cost8b``). A token target for
+    ``ddtree_tokens_per_step``: beyond it, a bigger tree costs real time.
+
+    Points are read in increasing token order and the scan stops at the first
+    point over the limit, so a noisy cheap point after an expensive one does not
+    extend the knee.
+    """
+    if not points:
+        raise ValueError("knee_tokens needs at least one (tokens, ms) point")
+    if max_slowdown < 1.0:
+        raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
+    pts = sorted((float(t), float(ms)) for t, ms in points)
+    if any(t < 1 or ms <= 0 for t, ms in pts):
+        raise ValueError("points must have tokens >= 1 and a positive cost")
+    limit = pts[0][1] * max_slowdown
+    knee = pts[0][0]
+    for tokens, ms in pts:
+        if ms > limit:
+            break
+        knee = tokens
+    return int(knee)

@@ -116,3 +116,21 @@ def test_plot_panels_group_by_set_and_temperature():
     panels = series_by_panel(doc)
     assert panels[("he", 0.0)]["a"] == [(1, 1, None), (4, 2, None)]
     assert panels[("he", 1.0)]["b"] == [(1, 3, 2.0)]
+
+
+def test_cost_model_from_cost_rows():
+    from bench.run import cost_model
+
+    rows = [
+        dict(config="no-spec", batch_size=1, time_per_output_token_ms=4.0),
+        dict(config="ddtree-b64", batch_size=1, time_per_output_token_ms=4.4, tau=1.0,
+             verified_tokens_per_forward=65),
+        dict(config="ddtree-b64", batch_size=4, time_per_output_token_ms=6.0, tau=1.0,
+             verified_tokens_per_forward=260),
+        dict(config="dflash", batch_size=4, time_per_output_token_ms=4.5, tau=1.02,
+             verified_tokens_per_forward=64),
+    ]
+    model = cost_model(rows)
+    assert [p["verified_tokens"] for p in model["points"]] == [1, 64, 65, 260]
+    assert model["suggested_ddtree_tokens_per_step"] == 65  # 4.4 / 4.0 <= 1.15 < 6.0 / 4.0
+    assert cost_model([]) is None

@@ -57,3 +57,20 @@ def test_schedule_is_accepted_by_vllm():
     utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils")
     table = utils.build_dynamic_sd_schedule_lookup(budget_schedule(512, 64), 64, 64)
     assert table[1:] == expand_schedule(budget_schedule(512, 64), 64)[1:]
+
+
+def test_knee_from_measured_step_costs():
+    from vllm_ddtree.budget import knee_tokens
+
+    # The 8B weight-GEMM times of the design notes: flat to ~128 tokens, then up.
+    pts = [(1, 3.67), (64, 3.90), (128, 4.26), (256, 6.51), (512, 12.19)]
+    assert knee_tokens(pts) == 64  # 4.26 / 3.67 = 1.16 > 1.15
+    assert knee_tokens(pts, max_slowdown=1.2) == 128
+    assert knee_tokens(pts, max_slowdown=1.05) == 1
+    assert knee_tokens(pts, max_slowdown=2.0) == 256
+    # Unordered input, and a noisy cheap point past the first expensive one.
+    assert knee_tokens([(512, 3.7), (256, 9.0), (1, 3.6), (64, 3.8)]) == 64
+    with pytest.raises(ValueError):
+        knee_tokens([])
+    with pytest.raises(ValueError):
+        knee_tokens(pts, max_slowdown=0.5)
