@@ -54,7 +54,7 @@ from vllm_ddtree.tree_attention import (
 )
 from vllm_ddtree.tree_builder import build_trees, empty_tree
 from vllm_ddtree.tree_mask import rewrite_tree_positions_
-from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused
+from vllm_ddtree.tree_walk import TreeWalk, walk_tree, walk_tree_fused
 
 # One Triton launch each for the tree bias, the tree positions, the walk (with the
 # sample gather) and the compaction (all KV layers + hidden states).
@@ -126,7 +126,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.max_num_tokens, dtype=torch.int64, device=device
         )
         self._kv_ptr_table = None
-        self.walk_buffers = empty_walk(self.max_num_reqs, self.tree_depth, device)
         # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
         self.profiler = StepProfiler.from_env()
         if self.profiler is not None:
@@ -452,6 +451,18 @@ class DDTreeSampler:
             # One launch: node i of request r is logit row cu[r] + i; nodes the
             # scheduler did not schedule (a prefix of the tree was verified) and
             # requests without a tree are never accepted.
+            # Fresh outputs every step (the kernel writes every element, so no fill):
+            # output_tokens becomes the runner's sampled tokens, which vLLM may still
+            # be copying to the host asynchronously when the next step samples.
+            num_reqs = input_batch.num_reqs
+            width = self.tree_depth + 1
+            device = logits.device
+            out = TreeWalk(
+                torch.empty((num_reqs, width), dtype=torch.int64, device=device),
+                torch.empty(num_reqs, dtype=torch.int32, device=device),
+                torch.empty((num_reqs, width), dtype=torch.int64, device=device),
+                torch.empty(num_reqs, dtype=torch.int32, device=device),
+            )
             walk = walk_tree_fused(
                 node_samples,
                 cu,
@@ -460,7 +471,7 @@ class DDTreeSampler:
                 spec.parents_by_state,
                 spec.valid_by_state,
                 self.tree_depth,
-                out=spec.walk_buffers,
+                out=out,
             )
         else:
             walk = self._walk_unfused(logits, input_batch, node_samples)
