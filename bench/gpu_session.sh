@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_session.sh checks   # convert target, apply series, GPU kernel tests,
 #                                      # greedy equivalence on the real pair (float32, eager)
-#   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots
+#   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots;
+#                                      # ddtree-b15 verifies as many tokens as the chain
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end)
 #   bash bench/gpu_session.sh cost     # bench/run.py --suite cost8b (Qwen3-8B shape, dummy)
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
@@ -55,7 +56,7 @@ case "${1:-}" in
     prepare
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-fixture.json" --profile-dir "$OUT" --plots "$OUT" \
-      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b16 \
+      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16 \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;
