@@ -1,0 +1,76 @@
+"""GPU gate: greedy DDTree == greedy without speculation on the benchmark pair.
+
+Runs ``bench/gpu_checks.py equiv-real`` (float32, eager: async and sync scheduling, the
+batch-size budget schedule, requests aborted mid-way, KV pressure with preemption, and
+the DFlash chain as a control) and fails on any differing output. Needs an NVIDIA GPU,
+the patched vLLM, and the SmolLM2 target + prompt sets from
+``bench/fixture/prepare.sh`` (DDTREE_BENCH_TARGET, DDTREE_BENCH_DATA); skipped elsewhere.
+Results of the run on the H200: bench/results/gpu-equiv-real-fp32-eager.json.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGET = os.environ.get("DDTREE_BENCH_TARGET", "/opt/smollm2-hf")
+DATA = os.environ.get("DDTREE_BENCH_DATA", "/opt/smollm2-fixture/data")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def equivalence_failures(result: dict) -> list[str]:
+    """Runs of an equiv-real result whose outputs differ (or that errored)."""
+    bad = []
+    for run in result.get("runs", []):
+        name = f"{run.get('config')} batch {run.get('batch')}"
+        if "error" in run:
+            bad.append(f"{name}: {run['error'][:300]}")
+        elif run.get("identical_outputs") != run.get("num_outputs"):
+            bad.append(f"{name}: {run.get('identical_outputs')}/{run.get('num_outputs')} identical, "
+                       f"first difference {run.get('first_difference_at')}")
+        elif "aborted_outputs_are_prefixes" in run and run["aborted_outputs_are_prefixes"] != run["aborted"]:
+            bad.append(f"{name}: aborted outputs are not prefixes of the reference")
+    if not result.get("runs"):
+        bad.append("no runs")
+    return bad
+
+
+def test_equivalence_failures_reads_results():
+    ok = {"runs": [{"config": "a", "batch": 1, "identical_outputs": 1, "num_outputs": 1},
+                   {"config": "a-aborts", "batch": 4, "identical_outputs": 3, "num_outputs": 3,
+                    "aborted": 1, "aborted_outputs_are_prefixes": 1}]}
+    assert equivalence_failures(ok) == []
+    bad = {"runs": [{"config": "a", "batch": 16, "identical_outputs": 15, "num_outputs": 16,
+                     "first_difference_at": {"request": 3, "token": 9}},
+                    {"config": "b", "error": "RuntimeError('x')"}]}
+    assert len(equivalence_failures(bad)) == 2
+    assert equivalence_failures({"runs": []}) == ["no runs"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not (os.path.isdir(TARGET) and os.path.isdir(DATA)),
+                    reason="set DDTREE_BENCH_TARGET/DDTREE_BENCH_DATA (bench/fixture/prepare.sh)")
+def test_greedy_ddtree_equals_greedy_without_speculation(tmp_path):
+    out = tmp_path / "equiv.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "gpu_checks.py"), "equiv-real",
+         "--target", TARGET, "--drafter", os.path.join(REPO, "bench", "fixture", "smollm2-dflash"),
+         "--data", DATA, "--out", str(out), "--dtype", "float32", "--num-prompts", "16",
+         "--max-tokens", "64", "--budgets", "32", "--batch-sizes", "1", "16"],
+        cwd=REPO, capture_output=True, text=True, timeout=840,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failures = equivalence_failures(json.loads(out.read_text()))
+    assert not failures, failures
