@@ -110,11 +110,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_attn_bias = allocate_tree_attn_bias(
             self.max_num_reqs, self.num_tree_nodes, device
         )
-        # Filled by the sampler, consumed by propose() in the same step.
-        self.accepted_nodes = torch.zeros(
-            (self.max_num_reqs, self.tree_depth + 1), dtype=torch.int64, device=device
-        )
-        self.num_accepted = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=device)
+        # This step's walk ([R, D+1] path, [R] lengths), set by the sampler and read
+        # by propose() in the same step; the walk allocates them fresh each step.
+        self.accepted_nodes: torch.Tensor | None = None
+        self.num_accepted: torch.Tensor | None = None
         self._verified_rows: torch.Tensor | None = None
         self._linear_positions: torch.Tensor | None = None
         self._pending_compaction = False
@@ -257,10 +256,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             positions[rows] = root_position + depth.to(positions.dtype)
         self._verified_rows = rows
 
-    def record_walk(self, input_batch: InputBatch, accepted_nodes, num_accepted) -> None:
-        num_reqs = input_batch.num_reqs
-        self.accepted_nodes[:num_reqs] = accepted_nodes
-        self.num_accepted[:num_reqs] = num_accepted
+    def record_walk(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        self.accepted_nodes = accepted_nodes
+        self.num_accepted = num_accepted
         self._pending_compaction = self._verified_rows is not None
 
     # ------------------------------------------------ compaction and drafting
@@ -271,9 +269,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         slot_mappings: dict[str, torch.Tensor],
         hidden_states: torch.Tensor,
     ) -> None:
-        num_reqs = input_batch.num_reqs
         rows = self._verified_rows
         assert rows is not None and self._linear_positions is not None
+        assert self.accepted_nodes is not None and self.num_accepted is not None
         # Positions back to linear: row start + j holds the depth-j node after the
         # copy below, whose position is start + j.
         input_batch.positions[rows] = self._linear_positions
@@ -282,8 +280,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             self._kv_ptr_table = compact_accepted_path_(
                 kv_caches,
                 hidden_states,
-                self.accepted_nodes[:num_reqs],
-                self.num_accepted[:num_reqs],
+                self.accepted_nodes,
+                self.num_accepted,
                 input_batch.query_start_loc,
                 slot_mappings[self._target_layer_name],
                 kv_ptr_table=self._kv_ptr_table,
@@ -292,8 +290,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Unfused (VLLM_DDTREE_FUSED_KERNELS=0, or caches that differ per layer):
         # the same moves, hidden rows by gather-then-scatter, KV layer by layer.
         src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
-            self.accepted_nodes[:num_reqs],
-            self.num_accepted[:num_reqs],
+            self.accepted_nodes,
+            self.num_accepted,
             input_batch.query_start_loc,
             slot_mappings[self._target_layer_name],
         )
@@ -475,7 +473,7 @@ class DDTreeSampler:
             )
         else:
             walk = self._walk_unfused(logits, input_batch, node_samples)
-        spec.record_walk(input_batch, walk.accepted_nodes, walk.num_accepted)
+        spec.record_walk(walk.accepted_nodes, walk.num_accepted)
         if profiler is not None:
             profiler.mark("walked")
 
