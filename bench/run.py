@@ -51,6 +51,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a file: make `bench` and `vllm_ddtree` importable
+from bench.stats import percentile  # noqa: E402
 DEFAULT_DRAFTER = os.path.join(ROOT, "bench", "fixture", "smollm2-dflash")
 DFLASH_CHAIN_TOKENS = 15  # a block-16 drafter predicts 15 tokens per pass
 
@@ -155,18 +157,6 @@ SUITES: dict[str, Suite] = {
 
 
 # ----------------------------------------------------------------------------- pure helpers
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def requests_for(batch: int, min_requests: int) -> int:
     """Whole waves of ``batch`` requests, at least ``min_requests`` in all."""
     waves = max(1, math.ceil(min_requests / batch))
@@ -592,11 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         rec.doc["cost_model"] = cost_model(rec.doc["results"])
     rec.save()
     if args.plots:
-        try:
-            from bench.plot import plot_results
-        except ImportError:
-            sys.path.insert(0, ROOT)
-            from bench.plot import plot_results
+        from bench.plot import plot_results
+
         try:
             print("plots:", plot_results(rec.doc, args.plots), flush=True)
         except ImportError as exc:

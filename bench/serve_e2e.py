@@ -51,7 +51,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+
+# Run as a file (python bench/serve_e2e.py): make `bench` importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.stats import percentile  # noqa: E402
 
 SERVED_MODEL_NAME = "smollm2"
 SERVER_ENV = {
@@ -188,17 +192,6 @@ class SSEParser:
             return json.loads(data)
         except json.JSONDecodeError:
             return {"_unparsed": data}
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """q-th percentile (0..100) with linear interpolation (numpy's default method)."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def latency_summary(latencies: list[float]) -> dict:
