@@ -221,15 +221,11 @@ def _token_prompts(args, n: int) -> list[dict]:
 
 
 def _compare(out, ref) -> dict:
-    same = sum(a == b for a, b in zip(out, ref))
-    first = None
-    for i, (a, b) in enumerate(zip(out, ref)):
-        if a != b:
-            first = {"request": i,
-                     "token": next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
-                                   min(len(a), len(b)))}
-            break
-    return dict(identical_outputs=same, num_outputs=len(ref), first_difference_at=first)
+    from bench.run import compare_greedy
+
+    c = compare_greedy(out, ref)
+    return dict(identical_outputs=c["greedy_identical"], num_outputs=c["greedy_total"],
+                first_difference_at=c["greedy_first_difference"])
 
 
 def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_after_steps: int):
