@@ -147,17 +147,7 @@ def compare(
             checks.append(Check(key, "entry", "present", "missing", "present", False, "no current result"))
             continue
         if base.greedy_match is not None or cur.greedy_match is not None:
-            checks.append(
-                Check(
-                    key,
-                    "greedy_match",
-                    "-" if base.greedy_match is None else str(base.greedy_match).lower(),
-                    "missing" if cur.greedy_match is None else str(cur.greedy_match).lower(),
-                    "true",
-                    cur.greedy_match is True,
-                    "outputs differ from the target's" if cur.greedy_match is False else "",
-                )
-            )
+            checks.append(_greedy_check(key, base.greedy_match, cur.greedy_match))
         if base.tau is not None:
             checks.append(_minimum_check(key, "tau", base.tau, cur.tau, tau_tolerance))
         checks.append(
@@ -168,14 +158,23 @@ def compare(
     return checks
 
 
+def _greedy_check(key: Key, base: bool | None, cur: bool | None) -> Check:
+    """greedy_match must be true: a lossless method never changes greedy output."""
+    return Check(
+        key,
+        "greedy_match",
+        "-" if base is None else str(base).lower(),
+        "missing" if cur is None else str(cur).lower(),
+        "true",
+        cur is True,
+        "outputs differ from the target's" if cur is False else "",
+    )
+
+
 def greedy_checks(entries: dict[Key, Entry]) -> list[Check]:
     """greedy_match must be true wherever an entry reports it, baseline or not."""
-    return [
-        Check(key, "greedy_match", "-", str(e.greedy_match).lower(), "true", e.greedy_match is True,
-              "outputs differ from the target's" if e.greedy_match is False else "")
-        for key, e in entries.items()
-        if e.greedy_match is not None
-    ]
+    return [_greedy_check(key, None, e.greedy_match) for key, e in entries.items()
+            if e.greedy_match is not None]
 
 
 def render_table(checks: list[Check]) -> str:
