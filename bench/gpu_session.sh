@@ -14,6 +14,9 @@
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs)
+#   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
+#                                      # GPU time goes (bench/profile_step.py), and batch-1
+#                                      # speed with the engine core in its own process
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/ddtree-out}"
@@ -34,19 +37,24 @@ prepare() {
   fi
 }
 
+# The fused kernels' GPU tests; a failure switches later steps to the unfused paths.
+fused_tests() {
+  if timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
+      tests/unit/test_tree_bias_fused.py tests/unit/test_kv_compaction_fused.py tests/unit/test_tree_positions_fused.py > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
+    echo 1 > /opt/ddtree-fused-kernels
+  else
+    echo 0 > /opt/ddtree-fused-kernels; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
+  fi
+  tail -3 "$OUT/gpu-fused-kernel-tests.log"
+  VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+}
+
 case "${1:-}" in
   checks)
     prepare
-    if timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
-        tests/unit/test_tree_bias_fused.py tests/unit/test_kv_compaction_fused.py tests/unit/test_tree_positions_fused.py > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
-      echo 1 > /opt/ddtree-fused-kernels
-    else
-      echo 0 > /opt/ddtree-fused-kernels; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
-    fi
-    tail -3 "$OUT/gpu-fused-kernel-tests.log"
+    fused_tests
     timeout 150 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
     echo "algos rc=$?"; tail -17 "$OUT/gpu-bench-algorithms.log"
-    VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
     timeout 400 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
       --data "$DATA" --out "$OUT/gpu-equiv-real-fp32-eager.json" --dtype float32 --num-prompts 16 \
       --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real.log" 2>&1
@@ -105,5 +113,18 @@ case "${1:-}" in
       --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real-tp2.log" 2>&1
     echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-real-tp2.log" | cut -c1-400
     ;;
-  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp" >&2; exit 2 ;;
+  profile)
+    prepare
+    fused_tests
+    mkdir -p "$OUT/profile"
+    timeout 300 python3 bench/profile_step.py --configs no-spec dflash ddtree-b32 --trace \
+      --out-dir "$OUT/profile" > "$OUT/profile/profile-step.log" 2>&1
+    echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
+    timeout 240 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/profile/bench-batch1-mp.json" --engine-process mp --profile-dir "$OUT/profile" \
+      --configs no-spec dflash ddtree-b32 --batch-sizes 1 --temperatures 0 > "$OUT/profile/bench-batch1-mp.log" 2>&1
+    echo "bench mp rc=$?"; grep '^{\|failed' "$OUT/profile/bench-batch1-mp.log" | cut -c1-300
+    tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
+    ;;
+  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp|profile" >&2; exit 2 ;;
 esac

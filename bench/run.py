@@ -45,9 +45,6 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-# Engine core in this process: request timestamps share one monotonic clock and
-# the metrics are read directly.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -380,7 +377,7 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
     profile = None
     if args.profile_dir and cfg.method == "ddtree":
         # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile); the engine
-        # core runs in this process, so the speculator reads this variable.
+        # core reads this variable (a separate engine process inherits it at start).
         os.makedirs(args.profile_dir, exist_ok=True)
         profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{cfg.name}.json")
         os.environ["VLLM_DDTREE_PROFILE"] = profile
@@ -468,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="attention backend for every engine (default: vLLM's choice; "
                          "DDTree always uses TRITON_ATTN)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--engine-process", choices=["inproc", "mp"], default="mp",
+                    help="mp (vLLM's default, as `vllm serve` runs): the engine core in its "
+                         "own process, output processing beside it; inproc: both in this "
+                         "process and thread, so the host's output processing sits in every "
+                         "step (the runs before this option)")
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="vLLM's asynchronous scheduling (auto: vLLM's default, on for "
                          "DFlash and DDTree)")
@@ -480,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="record DDTree per-stage step times (VLLM_DDTREE_PROFILE) here")
     args = ap.parse_args(argv)
 
+    # Read by vLLM when an engine starts; request timestamps are monotonic-clock
+    # readings either way, comparable across the two processes.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "mp" else "0"
     suite = SUITES[args.suite]
     for name in ("configs", "batch_sizes", "prompt_sets", "temperatures", "max_tokens",
                  "min_requests", "dtype"):
@@ -520,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                                      else [os.path.relpath(__file__, ROOT)] + argv),
         suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
+        engine_process=args.engine_process,
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
     ))

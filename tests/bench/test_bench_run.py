@@ -1,6 +1,7 @@
 """CPU tests of the benchmark harness's pure parts (bench/run.py, bench/plot.py)."""
 
 import json
+import os
 import types
 
 import pytest
@@ -134,3 +135,27 @@ def test_cost_model_from_cost_rows():
     assert [p["verified_tokens"] for p in model["points"]] == [1, 64, 65, 260]
     assert model["suggested_ddtree_tokens_per_step"] == 65  # 4.4 / 4.0 <= 1.15 < 6.0 / 4.0
     assert cost_model([]) is None
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals():
+    from bench.profile_step import busy_union_us
+
+    assert busy_union_us([]) == 0.0
+    # overlap, containment, a gap, unsorted input
+    assert busy_union_us([(10, 20), (0, 5), (15, 30), (16, 18), (40, 41)]) == 5 + 20 + 1
+    assert busy_union_us([(0, 10), (10, 12)]) == 12
+
+
+def test_engine_process_option_sets_vllms_variable(monkeypatch, tmp_path):
+    import bench.run as run
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "x")
+    # A missing target stops the run after the option took effect, before any GPU work.
+    with pytest.raises(SystemExit):
+        run.main(["--suite", "ci", "--out", str(tmp_path / "o.json"), "--engine-process",
+                  "inproc", "--target", str(tmp_path / "none")])
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(SystemExit):
+        run.main(["--suite", "ci", "--out", str(tmp_path / "o.json"),
+                  "--target", str(tmp_path / "none")])
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: host (Python) and GPU, per engine configuration.
+
+For each configuration (names as in ``bench/run.py``: ``no-spec``, ``dflash``,
+``ddtree-b32`` ...) this starts the engine in this process (CUDA graphs on unless
+``--eager``), warms it up, and generates ``--max-tokens`` tokens for ``--batch-size``
+prompts three times:
+
+1. plain, timed: output tokens/s and engine steps (spec-decode counters);
+2. under ``cProfile``: the host's Python time per function (engine core, scheduler,
+   model runner, speculator), the top entries by own and by cumulative time;
+3. under ``torch.profiler`` (CPU + CUDA): every kernel's GPU time, the GPU's busy
+   time (union of kernel intervals) against the wall time, so the GPU's idle share
+   says how far the step is bound by the host; top kernels and top CPU-side ops.
+
+Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofile.txt``
+and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
+https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
+
+    python bench/profile_step.py --configs dflash ddtree-b32 --out-dir /tmp/prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gzip
+import io
+import json
+import os
+import pstats
+import shutil
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+# The profilers see the engine core only when it runs in this process.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.run import (  # noqa: E402
+    DEFAULT_DRAFTER,
+    load_prompt_sets,
+    parse_config,
+    spec_counters,
+)
+
+
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (the GPU's busy time)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize_torch_profile(prof, top: int = 25) -> dict:
+    """GPU busy share and the top kernels / CPU ops of a ``torch.profiler`` run."""
+    from torch.autograd import DeviceType
+
+    kernels: list[tuple[float, float]] = []
+    by_kernel: dict[str, list[float]] = {}
+    cpu_start, cpu_end = None, None
+    for ev in prof.events():
+        tr = ev.time_range
+        if ev.device_type == DeviceType.CUDA:
+            kernels.append((tr.start, tr.end))
+            agg = by_kernel.setdefault(ev.name, [0.0, 0])
+            agg[0] += tr.end - tr.start
+            agg[1] += 1
+        else:
+            cpu_start = tr.start if cpu_start is None else min(cpu_start, tr.start)
+            cpu_end = tr.end if cpu_end is None else max(cpu_end, tr.end)
+    span = (max(e for _, e in kernels) - min(s for s, _ in kernels)) if kernels else 0.0
+    busy = busy_union_us(kernels)
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])
+    cpu_ops = sorted(
+        (e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+        key=lambda e: -e.self_cpu_time_total,
+    )
+    return {
+        "gpu_span_ms": round(span / 1e3, 3),
+        "gpu_busy_ms": round(busy / 1e3, 3),
+        "gpu_busy_fraction": round(busy / span, 4) if span else None,
+        "kernel_launches": len(kernels),
+        "top_kernels": [
+            {"name": name[:120], "total_ms": round(t / 1e3, 3), "calls": n}
+            for name, (t, n) in ranked[:top]
+        ],
+        "top_cpu_ops": [
+            {"name": e.key[:120], "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+             "calls": e.count}
+            for e in cpu_ops[:top]
+        ],
+    }
+
+
+def cprofile_text(prof: cProfile.Profile, top: int = 45) -> str:
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.strip_dirs()
+    out.write("=== by own time (tottime) ===\n")
+    st.sort_stats("tottime").print_stats(top)
+    out.write("\n=== by cumulative time ===\n")
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def profile_config(args, name: str, prompts) -> dict:
+    import torch
+    from vllm import LLM
+
+    cfg = parse_config(name)
+    llm = LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
+              enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
+              max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
+              disable_log_stats=False)
+    rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+                 "cuda_graphs": not args.eager}
+    generate(llm, prompts, 16)  # warm-up
+    before = spec_counters(llm.get_metrics())
+    wall, n = generate(llm, prompts, args.max_tokens)
+    delta = spec_counters(llm.get_metrics()).minus(before)
+    steps = delta.drafts // len(prompts) if delta.drafts else args.max_tokens
+    rec["plain"] = {"wall_s": round(wall, 4), "output_tokens": n,
+                    "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
+                    "step_ms": round(wall / max(steps, 1) * 1e3, 3)}
+
+    prof = cProfile.Profile()
+    prof.enable()
+    wall_c, _ = generate(llm, prompts, args.max_tokens)
+    prof.disable()
+    rec["cprofile_wall_s"] = round(wall_c, 4)
+    with open(os.path.join(args.out_dir, f"profile-{name}-cprofile.txt"), "w") as f:
+        f.write(cprofile_text(prof))
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+        wall_t, _ = generate(llm, prompts, args.max_tokens)
+        torch.cuda.synchronize()
+    rec["torch_profile_wall_s"] = round(wall_t, 4)
+    rec["torch_profile"] = summarize_torch_profile(tprof)
+    rec["torch_profile"]["gpu_busy_ms_per_step"] = round(
+        rec["torch_profile"]["gpu_busy_ms"] / max(steps, 1), 3)
+    if args.trace:
+        raw = os.path.join(args.out_dir, f"profile-{name}-trace.json")
+        tprof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["dflash", "ddtree-b32"])
+    ap.add_argument("--target", default=os.environ.get("DDTREE_BENCH_TARGET", "/opt/smollm2-hf"))
+    ap.add_argument("--drafter", default=os.environ.get("DDTREE_BENCH_DRAFTER", DEFAULT_DRAFTER))
+    ap.add_argument("--data", default=os.environ.get("DDTREE_BENCH_DATA", "/opt/smollm2-fixture/data"))
+    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzip)")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args(argv)
+    for c in args.configs:
+        parse_config(c)  # bad names fail before any GPU work
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    prompts = load_prompt_sets([args.prompt_set], args.data, tok, args.batch_size)[args.prompt_set]
+    results = []
+    for name in args.configs:
+        try:
+            rec = profile_config(args, name, prompts)
+        except Exception as exc:  # record and go on
+            rec = {"config": name, "error": repr(exc)[:2000]}
+        results.append(rec)
+        with open(os.path.join(args.out_dir, f"profile-{name}.json"), "w") as f:
+            json.dump(rec, f, indent=1)
+        tp = rec.get("torch_profile", {})
+        print(json.dumps({"config": name, **rec.get("plain", {}),
+                          "gpu_busy_fraction": tp.get("gpu_busy_fraction"),
+                          "gpu_busy_ms_per_step": tp.get("gpu_busy_ms_per_step"),
+                          "error": rec.get("error")}), flush=True)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
