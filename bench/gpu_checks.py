@@ -254,6 +254,10 @@ def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_afte
     return [outputs.get(rid, []) for rid in ids], {ids.index(r) for r in aborted}, steps
 
 
+EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step", "dflash-chain",
+                       "no-spec-preempt", "ddtree-preempt")
+
+
 def run_equiv_real(args) -> dict:
     """Greedy DDTree == greedy without speculation on the real pair (float32, eager by
     default): async and sync scheduling, a batch-aware budget, KV-cache pressure that
@@ -282,7 +286,10 @@ def run_equiv_real(args) -> dict:
         ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256), {}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}),
     ]
+    wanted = set(args.variants or EQUIV_REAL_VARIANTS)
     for name, spec_extra, engine_kw in variants:
+        if name not in wanted:
+            continue
         method = "dflash" if name.startswith("dflash") else "ddtree"
         spec = dict(method=method, model=drafter, **spec_extra)
         try:
@@ -317,6 +324,8 @@ def run_equiv_real(args) -> dict:
     for name, spec in (("no-spec-preempt", None),
                        ("ddtree-preempt", dict(method="ddtree", model=drafter,
                                                num_speculative_tokens=budget))):
+        if name not in wanted:
+            continue
         try:
             llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
                           num_gpu_blocks_override=blocks)
@@ -351,6 +360,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[32])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--variants", nargs="+", choices=EQUIV_REAL_VARIANTS,
+                        help="equiv-real: run only these (default: all; ddtree-async "
+                             "includes the aborts run)")
     parser.add_argument(
         "--eager-modes", type=lambda s: s.lower() == "eager", nargs="+", default=[True]
     )

@@ -64,7 +64,7 @@ case "${1:-}" in
     prepare
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-fixture.json" --profile-dir "$OUT" --plots "$OUT" \
-      --configs no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16 \
+      --configs ${BENCH_CONFIGS:-no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;
@@ -90,7 +90,8 @@ case "${1:-}" in
     prepare
     timeout 560 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
       --data "$DATA" --out "$OUT/gpu-equiv-real-fp32-graphs.json" --dtype float32 --num-prompts 16 \
-      --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs > "$OUT/gpu-equiv-real-graphs.log" 2>&1
+      --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs \
+      ${EQUIV_VARIANTS:+--variants $EQUIV_VARIANTS} > "$OUT/gpu-equiv-real-graphs.log" 2>&1
     echo "equiv-real graphs rc=$?"; grep '^{' "$OUT/gpu-equiv-real-graphs.log" | cut -c1-400
     ;;
   ci)
