@@ -69,12 +69,13 @@ def test_gpu_workflow_runs_on_the_h200_runner():
 def test_gpu_regression_step_runs_check_regression(tmp_path):
     argv = shlex.split(step("gpu.yml", "Regression check against the committed baseline")["run"])
     assert argv[:2] == ["python3", "ci/check_regression.py"]
-    flags = [a for a in argv[2:] if a == "--allow-missing-baseline"]
-    assert flags == ["--allow-missing-baseline"]  # until a baseline is committed
-    valued = [a for a in argv[2:] if a not in flags]
+    # A baseline is committed, so a missing one must fail the job.
+    assert "--allow-missing-baseline" not in argv
+    assert (ROOT / "bench" / "results" / "baseline.json").is_file()
+    valued = argv[2:]
     options = dict(zip(valued[0::2], valued[1::2]))
     assert options == {"--baseline": "bench/results/baseline.json", "--current": "bench/results/ci-latest.json",
-                       "--tau-tolerance": "0.05", "--tps-tolerance": "0.10"}
+                       "--tau-tolerance": "0.05", "--tps-tolerance": "0.20"}
     # The same command line works on files of the documented format.
     result_file = {"git_rev": "x", "command": "bench/run.py --suite ci", "results": [
         {"config": "ddtree-b32", "prompt_set": "p", "batch_size": 1, "temperature": 0.0, "tau": 3.0,
@@ -83,7 +84,7 @@ def test_gpu_regression_step_runs_check_regression(tmp_path):
         path = tmp_path / key.strip("-")
         path.write_text(json.dumps(result_file))
         options[key] = str(path)
-    args = [word for pair in options.items() for word in pair] + flags
+    args = [word for pair in options.items() for word in pair]
     proc = subprocess.run([sys.executable, str(ROOT / argv[1]), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
