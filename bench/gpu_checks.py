@@ -255,7 +255,7 @@ def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_afte
 
 
 EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step", "dflash-chain",
-                       "no-spec-preempt", "ddtree-preempt")
+                       "no-spec-preempt", "ddtree-preempt", "no-spec-batch-shape")
 
 
 def run_equiv_real(args) -> dict:
@@ -269,15 +269,24 @@ def run_equiv_real(args) -> dict:
     results = dict(mode="equiv-real", target=target, drafter=drafter, dtype=args.dtype,
                    eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
                    runs=[])
-    base = _engine(target, None, eager, False, args.dtype)
-    ref = {}
-    for bs in args.batch_sizes:
-        ref[bs], _ = _greedy(base, prompts[:bs], args.max_tokens)
-    _free(base)
+    results["batch_invariant"] = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+    wanted = set(args.variants or EQUIV_REAL_VARIANTS)
 
     def record(entry):
         results["runs"].append(entry)
         print(json.dumps(entry), flush=True)
+
+    base = _engine(target, None, eager, False, args.dtype)
+    ref = {}
+    for bs in args.batch_sizes:
+        ref[bs], _ = _greedy(base, prompts[:bs], args.max_tokens)
+    if "no-spec-batch-shape" in wanted:
+        # Control without speculation: each prompt alone vs. in the batch of n. Any
+        # difference is the engine's own dependence on the batch's shape, which bounds
+        # what exactness the speculative runs can show in this mode.
+        alone = [_greedy(base, [p], args.max_tokens)[0][0] for p in prompts[:n]]
+        record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[n])))
+    _free(base)
 
     budget = args.budgets[0]
     variants = [
@@ -286,7 +295,6 @@ def run_equiv_real(args) -> dict:
         ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256), {}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}),
     ]
-    wanted = set(args.variants or EQUIV_REAL_VARIANTS)
     for name, spec_extra, engine_kw in variants:
         if name not in wanted:
             continue

@@ -14,6 +14,9 @@
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs)
+#   bash bench/gpu_session.sh exact    # greedy equivalence with vLLM's batch-invariant kernels
+#                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, float32 and bf16,
+#                                      # with the no-speculation batch-shape control
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py), and batch-1
 #                                      # speed with the engine core in its own process
@@ -48,6 +51,24 @@ fused_tests() {
   tail -3 "$OUT/gpu-fused-kernel-tests.log"
   VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
 }
+
+# The device tool returns at most 8 files per call: leave the JSON results loose and
+# put everything else (logs, plots, server logs) into one tarball.
+pack_out() {
+  (
+    cd "$OUT" || exit 0
+    shopt -s nullglob
+    rest=()
+    for f in *; do
+      case "$f" in *.json|*.tar.gz) ;; *) rest+=("$f") ;; esac
+    done
+    if [ "${#rest[@]}" -gt 0 ]; then tar -czf "logs-${STEP}.tar.gz" "${rest[@]}" && rm -rf "${rest[@]}"; fi
+    json=(*.json)
+    if [ "$(ls | wc -l)" -gt 8 ]; then tar -czf "results-${STEP}.tar.gz" "${json[@]}" && rm -f "${json[@]}"; fi
+  )
+}
+STEP="${1:-none}"
+trap pack_out EXIT
 
 case "${1:-}" in
   checks)
@@ -114,6 +135,17 @@ case "${1:-}" in
       --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real-tp2.log" 2>&1
     echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-real-tp2.log" | cut -c1-400
     ;;
+  exact)
+    prepare
+    for dt in float32 bfloat16; do
+      VLLM_BATCH_INVARIANT=1 timeout 270 python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
+        --drafter "$DRAFTER" --data "$DATA" --out "$OUT/gpu-equiv-real-$dt-graphs-batch-invariant.json" \
+        --dtype "$dt" --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs \
+        --variants no-spec-batch-shape ddtree-async ddtree-preempt dflash-chain \
+        > "$OUT/gpu-equiv-real-$dt-batch-invariant.log" 2>&1
+      echo "exact $dt rc=$?"; grep '^{' "$OUT/gpu-equiv-real-$dt-batch-invariant.log" | cut -c1-300
+    done
+    ;;
   profile)
     prepare
     fused_tests
@@ -127,5 +159,5 @@ case "${1:-}" in
     echo "bench mp rc=$?"; grep '^{\|failed' "$OUT/profile/bench-batch1-mp.log" | cut -c1-300
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact" >&2; exit 2 ;;
 esac
