@@ -517,8 +517,11 @@ def _compact_path_kernel(
     kv_inner,
     hid_row_stride,
     hid_inner,
+    pos_ptr,  # [T] positions, or a dummy (HAS_POS False)
+    pos_pid,  # the program (axis 1) that restores the request's positions
     HAS_KV: tl.constexpr,
     HAS_HIDDEN: tl.constexpr,
+    HAS_POS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -565,6 +568,14 @@ def _compact_path_kernel(
             vals = tl.load(hid_ptr + src_row[:, None] * hid_row_stride + e[None, :], mask=mask)
             tl.debug_barrier()
             tl.store(hid_ptr + dst_row[:, None] * hid_row_stride + e[None, :], vals, mask=mask)
+    if HAS_POS:
+        if pid == pos_pid:
+            # A request's query rows hold consecutive positions from its first row.
+            qlen = tl.load(qsl_ptr + req + 1).to(tl.int64) - start
+            p0 = tl.load(pos_ptr + start)
+            for i0 in range(1, qlen, BLOCK_E):
+                i = i0 + e_base.to(tl.int64)
+                tl.store(pos_ptr + start + i, p0 + i, mask=i < qlen)
 
 
 def _hidden_rows_view(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -592,6 +603,7 @@ def compact_accepted_path_reference_(
     slot_mapping: Optional[torch.Tensor],
     *,
     layout: Layout = "vllm",
+    positions: Optional[torch.Tensor] = None,
 ) -> None:
     """Torch version of :func:`compact_accepted_path_`: exactly the current per-layer
     path of ``_compact_accepted_path`` (hidden states gathered then scattered, then
@@ -606,6 +618,20 @@ def compact_accepted_path_reference_(
         hidden_states[safe_dst] = hidden_states[safe_src]
     for kv_cache in kv_caches:
         compact_kv_cache_reference_(kv_cache, src_slots, dst_slots, layout)
+    if positions is not None:
+        restore_linear_positions_reference_(positions, query_start_loc, accepted_nodes.shape[0])
+
+
+def restore_linear_positions_reference_(positions: torch.Tensor, query_start_loc: torch.Tensor,
+                                        num_reqs: int) -> None:
+    """Row ``qsl[r] + i`` gets position ``positions[qsl[r]] + i`` for every request r < R
+    (i.e. the linear positions, undoing the tree's ``start + depth``)."""
+    qsl = query_start_loc.cpu().tolist()
+    for r in range(num_reqs):
+        a, b = qsl[r], qsl[r + 1]
+        if b - a > 1:
+            positions[a + 1:b] = positions[a] + torch.arange(1, b - a, device=positions.device,
+                                                             dtype=positions.dtype)
 
 
 def compact_accepted_path_(
@@ -619,6 +645,8 @@ def compact_accepted_path_(
     layout: Layout = "vllm",
     kv_ptr_table: Optional[KVPointerTable] = None,
     backend: str = "auto",
+    positions: Optional[torch.Tensor] = None,
+    check_table: bool = True,
 ) -> Optional[KVPointerTable]:
     """Compact the accepted paths in hidden states and every layer's KV, in place.
 
@@ -642,6 +670,12 @@ def compact_accepted_path_(
         kv_ptr_table: the :class:`KVPointerTable` returned by a previous call (or by
             :func:`build_kv_ptr_table`); built here when None or stale (the caches moved).
         backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
+        positions: [T] int, optional: also restore every request's linear positions
+            (row ``qsl[r] + i`` gets ``positions[qsl[r]] + i``; ``query_start_loc`` then
+            needs R + 1 entries), in the same launch.
+        check_table: check that ``kv_ptr_table`` still matches ``kv_caches`` (one
+            pointer/shape comparison per layer). A caller that built the table from
+            these very tensors may skip it.
     Returns:
         The pointer table used (None with no KV caches or the torch backend): keep it
         and pass it back as ``kv_ptr_table``.
@@ -662,6 +696,13 @@ def compact_accepted_path_(
     for t in tensors[:3] + ([slot_mapping] if slot_mapping is not None else []):
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise TypeError("accepted_nodes, num_accepted, query_start_loc and slot_mapping must be integer tensors")
+    if positions is not None:
+        if query_start_loc.shape[0] < num_reqs + 1:
+            raise ValueError(f"restoring positions needs R+1={num_reqs + 1} query_start_loc entries, "
+                             f"got {query_start_loc.shape[0]}")
+        if positions.dim() != 1 or positions.dtype.is_floating_point or positions.stride(0) != 1:
+            raise ValueError("positions must be a contiguous 1-D integer tensor")
+        tensors.append(positions)
     device = accepted_nodes.device
     if any(t.device != device for t in tensors):
         raise ValueError("all tensors must be on one device")
@@ -669,7 +710,8 @@ def compact_accepted_path_(
         backend = "triton" if can_use_triton(*tensors) else "torch"
     if backend == "torch":
         compact_accepted_path_reference_(kv_caches, hidden_states, accepted_nodes, num_accepted,
-                                         query_start_loc, slot_mapping, layout=layout)
+                                         query_start_loc, slot_mapping, layout=layout,
+                                         positions=positions)
         return None
     if backend != "triton":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
@@ -685,12 +727,13 @@ def compact_accepted_path_(
     table = None
     if kv_caches:
         table = kv_ptr_table
-        if table is None or not table.matches(kv_caches) or table.layout != layout:
+        if table is None or table.layout != layout or (check_table and not table.matches(kv_caches)):
             table = KVPointerTable(kv_caches, layout)
     hid = _hidden_rows_view(hidden_states) if hidden_states is not None else None
     has_kv = table is not None and table.inner > 0
     has_hid = hid is not None and hid.shape[1] > 0 and hid.shape[0] > 0
-    if num_reqs == 0 or width == 0 or not (has_kv or has_hid):
+    has_pos = positions is not None and positions.numel() > 0
+    if num_reqs == 0 or width == 0 or not (has_kv or has_hid or has_pos):
         return table
 
     block_m = next_power_of_2(width)
@@ -699,7 +742,8 @@ def compact_accepted_path_(
     kv_chunks = (table.inner + block_e - 1) // block_e if has_kv else 0
     num_layers = table.num_layers if has_kv else 0
     hid_chunks = (hid.shape[1] + block_e - 1) // block_e if has_hid else 0
-    grid = (num_reqs, num_layers * kv_chunks + hid_chunks)
+    pos_pid = num_layers * kv_chunks + hid_chunks
+    grid = (num_reqs, pos_pid + (1 if has_pos else 0))
     if grid[1] > 65535:
         raise ValueError(f"too many programs per request ({grid[1]}) for one launch")
     dummy = accepted_nodes  # stands in for an absent tensor (never dereferenced)
@@ -730,8 +774,11 @@ def compact_accepted_path_(
         table.inner if has_kv else 0,
         hid.stride(0) if has_hid else 0,
         hid.shape[1] if has_hid else 0,
+        positions if has_pos else dummy,
+        pos_pid,
         HAS_KV=has_kv,
         HAS_HIDDEN=has_hid,
+        HAS_POS=has_pos,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
     )

@@ -52,12 +52,18 @@ from vllm_ddtree.tree_attention import (
     write_tree_attn_bias,
     write_tree_attn_bias_fused,
 )
-from vllm_ddtree.tree_builder import build_trees, empty_tree
+from vllm_ddtree.tree_builder import (
+    build_trees,
+    empty_tree,
+    store_trees_by_state_,
+    store_trees_by_state_reference_,
+)
 from vllm_ddtree.tree_mask import rewrite_tree_positions_
 from vllm_ddtree.tree_walk import TreeWalk, walk_tree, walk_tree_fused
 
 # One Triton launch each for the tree bias, the tree positions, the walk (with the
-# sample gather) and the compaction (all KV layers + hidden states).
+# sample gather), the compaction (all KV layers + hidden states + positions restore)
+# and the copy of the new trees into the by-state tables.
 # VLLM_DDTREE_FUSED_KERNELS=0 selects the earlier multi-launch torch/Triton paths
 # (same results), e.g. to bisect a problem.
 FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
@@ -272,11 +278,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         rows = self._verified_rows
         assert rows is not None and self._linear_positions is not None
         assert self.accepted_nodes is not None and self.num_accepted is not None
-        # Positions back to linear: row start + j holds the depth-j node after the
-        # copy below, whose position is start + j.
-        input_batch.positions[rows] = self._linear_positions
         kv_caches = self._kv_caches()
         if self.fused_kernels and self._kv_ptr_table is not None:
+            # One launch: the accepted path's hidden rows and KV in every layer, and
+            # the positions back to linear (a request's rows are consecutive from its
+            # root, so row start + j, which holds the depth-j node after the copy,
+            # gets start + j). The table was built from these very caches.
             self._kv_ptr_table = compact_accepted_path_(
                 kv_caches,
                 hidden_states,
@@ -285,8 +292,13 @@ class DDTreeSpeculator(DFlashSpeculator):
                 input_batch.query_start_loc,
                 slot_mappings[self._target_layer_name],
                 kv_ptr_table=self._kv_ptr_table,
+                positions=input_batch.positions,
+                check_table=False,
             )
             return
+        # Positions back to linear: row start + j holds the depth-j node after the
+        # copy below, whose position is start + j.
+        input_batch.positions[rows] = self._linear_positions
         # Unfused (VLLM_DDTREE_FUSED_KERNELS=0, or caches that differ per layer):
         # the same moves, hidden rows by gather-then-scatter, KV layer by layer.
         src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
@@ -363,12 +375,12 @@ class DDTreeSpeculator(DFlashSpeculator):
             is_profile=is_profile,
         )
         if not dummy_run:
-            num_reqs = input_batch.num_reqs
-            idx_mapping = input_batch.idx_mapping
-            self.parents_by_state[idx_mapping] = self.trees.node_parents[:num_reqs]
-            self.depths_by_state[idx_mapping] = self.trees.node_depths[:num_reqs]
-            self.valid_by_state[idx_mapping] = self.trees.node_valid[:num_reqs]
-            self.tokens_by_state[idx_mapping] = self.trees.node_tokens[:num_reqs]
+            by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
+                        self.valid_by_state)
+            if self.fused_kernels:
+                store_trees_by_state_(self.trees, input_batch.idx_mapping, *by_state)
+            else:
+                store_trees_by_state_reference_(self.trees, input_batch.idx_mapping, *by_state)
         if profiler is not None:
             profiler.mark("drafted")
         return draft_tokens

@@ -600,3 +600,84 @@ def _check_out(out: DDTree, num_req: int, budget: int, device: torch.device) -> 
             )
         if not t.is_contiguous():
             raise ValueError(f"out.{name} must be contiguous")
+
+
+# ----------------------------------------------------------------------------------
+# Trees by request state (after drafting, read at the next verification)
+# ----------------------------------------------------------------------------------
+
+
+def store_trees_by_state_reference_(
+    trees: DDTree,
+    idx_mapping: torch.Tensor,
+    tokens_by_state: torch.Tensor,
+    parents_by_state: torch.Tensor,
+    depths_by_state: torch.Tensor,
+    valid_by_state: torch.Tensor,
+) -> None:
+    """The definition: row r of the batch's trees -> row ``idx_mapping[r]`` of each
+    by-state table (four indexed copies; R = ``idx_mapping.numel()``)."""
+    r = idx_mapping.numel()
+    idx = idx_mapping.long()
+    tokens_by_state[idx] = trees.node_tokens[:r]
+    parents_by_state[idx] = trees.node_parents[:r]
+    depths_by_state[idx] = trees.node_depths[:r]
+    valid_by_state[idx] = trees.node_valid[:r]
+
+
+def _store_by_state_kernel(
+    tok_ptr, par_ptr, dep_ptr, val_ptr,  # [>= R, N] this step's trees (contiguous)
+    idx_ptr,  # [R] batch row -> request state
+    tok_out, par_out, dep_out, val_out,  # [S, N] by-state tables (contiguous)
+    n,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    state = tl.load(idx_ptr + r).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    src = r * n + i
+    dst = state * n + i
+    tl.store(tok_out + dst, tl.load(tok_ptr + src, mask=ok), mask=ok)
+    tl.store(par_out + dst, tl.load(par_ptr + src, mask=ok), mask=ok)
+    tl.store(dep_out + dst, tl.load(dep_ptr + src, mask=ok), mask=ok)
+    tl.store(val_out + dst, tl.load(val_ptr + src, mask=ok), mask=ok)
+
+
+def store_trees_by_state_(
+    trees: DDTree,
+    idx_mapping: torch.Tensor,
+    tokens_by_state: torch.Tensor,
+    parents_by_state: torch.Tensor,
+    depths_by_state: torch.Tensor,
+    valid_by_state: torch.Tensor,
+) -> None:
+    """Copy this step's trees (batch order) into the by-state tables: ONE launch.
+
+    Same result as :func:`store_trees_by_state_reference_` (which the speculator ran
+    as four ``index_put_`` calls, ~8 launches). Every table must be contiguous with
+    N = B + 1 columns, the trees' dtypes (int64, int32, int32, bool), and on one
+    device; ``idx_mapping`` holds distinct state indices (the runner's). Falls back to
+    the reference without CUDA (or ``TRITON_INTERPRET=1``). No host synchronisation.
+    """
+    tables = (tokens_by_state, parents_by_state, depths_by_state, valid_by_state)
+    srcs = (trees.node_tokens, trees.node_parents, trees.node_depths, trees.node_valid)
+    r = idx_mapping.numel()
+    n = trees.node_tokens.shape[1]
+    for name, src, dst in zip(("tokens", "parents", "depths", "valid"), srcs, tables):
+        if dst.dim() != 2 or dst.shape[1] != n or dst.dtype != src.dtype:
+            raise ValueError(f"{name}_by_state must be [S, {n}] {src.dtype}, got "
+                             f"{dst.dtype} {tuple(dst.shape)}")
+        if src.shape[0] < r:
+            raise ValueError(f"trees hold {src.shape[0]} rows, idx_mapping has {r}")
+    if r == 0:
+        return
+    tensors = (idx_mapping, *srcs, *tables)
+    if not can_use_triton(*tensors):
+        store_trees_by_state_reference_(trees, idx_mapping, *tables)
+        return
+    if not all(t.is_contiguous() for t in (*srcs, *tables)):
+        raise ValueError("store_trees_by_state_ needs contiguous trees and tables")
+    jit(_store_by_state_kernel)[(r,)](
+        *srcs, idx_mapping, *tables, n, BLOCK=max(16, next_power_of_2(n)), num_warps=1,
+    )

@@ -27,7 +27,11 @@ from vllm_ddtree.tree_attention import (  # noqa: E402
     _tree_attn_bias_kernel,
     tree_attn_bias_launch_config,
 )
-from vllm_ddtree.tree_builder import _build_tree_kernel, _logsumexp_kernel  # noqa: E402
+from vllm_ddtree.tree_builder import (  # noqa: E402
+    _build_tree_kernel,
+    _logsumexp_kernel,
+    _store_by_state_kernel,
+)
 from vllm_ddtree.tree_mask import REWRITE_POSITIONS_BLOCK, _rewrite_positions_kernel  # noqa: E402
 from vllm_ddtree.tree_walk import _walk_fused_kernel  # noqa: E402
 
@@ -50,8 +54,14 @@ PATH_SIG = {
     "num_hid_rows": "i32", "width": "i32", "num_layers": "i32", "kv_chunks": "i32",
     "block_size": "i32", "stride_block": "i64", "stride_token": "i64", "size1": "i32",
     "size2": "i32", "stride0": "i64", "stride1": "i64", "stride2": "i64", "kv_inner": "i32",
-    "hid_row_stride": "i64", "hid_inner": "i32",
-    "HAS_KV": "constexpr", "HAS_HIDDEN": "constexpr", "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+    "hid_row_stride": "i64", "hid_inner": "i32", "pos_ptr": "*i64", "pos_pid": "i32",
+    "HAS_KV": "constexpr", "HAS_HIDDEN": "constexpr", "HAS_POS": "constexpr",
+    "BLOCK_M": "constexpr", "BLOCK_E": "constexpr",
+}
+STORE_SIG = {
+    "tok_ptr": "*i64", "par_ptr": "*i32", "dep_ptr": "*i32", "val_ptr": "*i1", "idx_ptr": "*i32",
+    "tok_out": "*i64", "par_out": "*i32", "dep_out": "*i32", "val_out": "*i1", "n": "i32",
+    "BLOCK": "constexpr",
 }
 WALK_SIG = {
     "samples_ptr": "*i64", "cu_ptr": "*i32", "idx_ptr": "*i32", "tokens_ptr": "*i64",
@@ -94,8 +104,11 @@ def main() -> int:
     for dtype in ("*bf16", "*fp8e4nv", "*i64"):
         for bm, be in ((1, 2048), (16, 128), (64, 64)):
             sig = dict(PATH_SIG, kv_ptr=dtype)
-            variants.append((f"path{dtype}", _compact_path_kernel, sig,
-                             {(24,): True, (25,): True, (26,): bm, (27,): be}, {}))
+            for has_pos in (True, False):
+                variants.append((f"path{dtype}", _compact_path_kernel, sig,
+                                 {(26,): True, (27,): True, (28,): has_pos, (29,): bm, (30,): be}, {}))
+    for block in (16, 64, 1024):
+        variants.append(("store", _store_by_state_kernel, STORE_SIG, {(10,): block}, {"num_warps": 1}))
     for dtype in ("*bf16", "*fp32"):
         for block, warps in ((4096, 4), (64, 1)):
             sig = {"x_ptr": dtype, "out_ptr": "*fp32", "row_stride": "i64", "vocab": "i32", "BLOCK": "constexpr"}

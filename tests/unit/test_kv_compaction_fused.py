@@ -310,3 +310,60 @@ def test_stale_table_is_rebuilt(triton_device):
                                        backend="triton")
     assert new_table is not table and new_table.matches(caches)
     assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+def _tree_positions(qsl, base, gen, depth_of):
+    """Positions as the verification left them: a request's first row keeps its linear
+    position, the others hold start + depth (here random depths >= 1), except prefill-
+    like requests (``depth_of(r)`` None) whose rows stay linear."""
+    total = int(qsl[-1])
+    pos = torch.zeros(total + 3, dtype=torch.int64)  # + padded rows past the last request
+    pos[total:] = -5
+    linear = pos.clone()
+    for r in range(qsl.shape[0] - 1):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        start = base + 37 * r
+        linear[a:b] = start + torch.arange(b - a)
+        pos[a:b] = linear[a:b]
+        if depth_of(r) is not None and b - a > 1:
+            pos[a + 1:b] = start + torch.randint(1, 6, (b - a - 1,), generator=gen)
+    return pos, linear
+
+
+@pytest.mark.parametrize("with_kv", [True, False])
+def test_positions_are_restored_in_the_same_launch(triton_device, monkeypatch, with_kv):
+    DEV = triton_device
+    gen = torch.Generator().manual_seed(21)
+    acc, num_acc, qsl, slots = _scenario(gen, num_req=7)
+    # request 6 is a long prefill chunk: rows past BLOCK_E in the restore loop
+    lens = (qsl[1:] - qsl[:-1]).tolist()
+    lens[-1] = 300
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    qsl[1:] = torch.tensor(lens).cumsum(0)
+    slots = torch.cat([slots, torch.full((int(qsl[-1]) + 3 - slots.shape[0],), -1)])
+    pos, linear = _tree_positions(qsl, 100, gen, lambda r: None if r == 6 else 1)
+    acc, num_acc, qsl, slots, pos = (t.to(DEV) for t in (acc, num_acc, qsl, slots, pos))
+    caches = _make_caches("nhd", 2, torch.float32, gen, DEV) if with_kv else []
+    hidden = _rand(gen, (slots.shape[0], 8), torch.float32).to(DEV)
+    want_kv, want_h = [c.clone() for c in caches], hidden.clone()
+    compact_accepted_path_reference_(want_kv, want_h, acc, num_acc, qsl, slots if with_kv else None)
+    launches = _count_launches(monkeypatch)
+    compact_accepted_path_(caches, hidden, acc, num_acc, qsl, slots if with_kv else None,
+                           backend="triton", positions=pos)
+    assert len(launches) == 1
+    assert torch.equal(pos.cpu(), linear)  # padded rows past the last request untouched
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_kv))
+    assert torch.equal(hidden, want_h)
+
+
+def test_positions_restore_reference_and_checks():
+    gen = torch.Generator().manual_seed(22)
+    acc, num_acc, qsl, slots = _scenario(gen, num_req=4)
+    pos, linear = _tree_positions(qsl, 7, gen, lambda r: 1)
+    compact_accepted_path_([], None, acc, num_acc, qsl, None, backend="torch", positions=pos)
+    assert torch.equal(pos, linear)
+    with pytest.raises(ValueError, match="R\\+1=5 query_start_loc"):
+        compact_accepted_path_([], None, acc, num_acc, qsl[:4], None, backend="torch", positions=pos)
+    with pytest.raises(ValueError, match="1-D integer"):
+        compact_accepted_path_([], None, acc, num_acc, qsl, None, backend="torch",
+                               positions=pos.float())
