@@ -575,9 +575,14 @@ def main(argv: list[str] | None = None) -> int:
         eng = {"config": cfg.name, "startup_s": round(time.time() - t_engine, 1),
                "async_scheduling": getattr(sched, "async_scheduling", None),
                "speculative_config": cfg.speculative_config(drafter)}
-        # Warm-up outside the measurement (first-use allocations, lazy init).
+        # Warm-up outside the measurement, at every batch size and temperature: the
+        # first use of a shape compiles kernel variants (vLLM's and ours) and
+        # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls
+        # as a few slow cells (e.g. DDTree batch 4 HumanEval T=0: 1.02 s vs 0.65 s).
         first = next(iter(prompt_sets.values()))
-        run_cell(llm, first[:2], 2, 0.0, 16, suite.dummy)
+        for temp in sorted(set(suite.temperatures)):
+            for batch in suite.batch_sizes:
+                run_cell(llm, first[:batch], batch, temp, 8, suite.dummy)
         for set_name, prompts in prompt_sets.items():
             for temp in suite.temperatures:
                 for batch in suite.batch_sizes:

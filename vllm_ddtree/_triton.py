@@ -45,14 +45,30 @@ def can_use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+def varying_args(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark integer arguments of a kernel function that change from step to step (token
+    counts, row counts). :func:`jit` compiles them without Triton's value
+    specialisation (== 1, divisible by 16): otherwise each new combination compiles a
+    new variant the first time it occurs, a stall of a few hundred milliseconds in the
+    middle of serving."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn._ddtree_varying_args = tuple(names)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
 def jit(fn: Callable[..., Any]) -> Any:
-    """``triton.jit(fn)``, cached per (function, interpreter on/off)."""
+    """``triton.jit(fn)``, cached per (function, interpreter on/off); arguments marked
+    by :func:`varying_args` are not specialised on their values."""
     if not HAS_TRITON:
         raise RuntimeError("Triton is not importable; use the torch backend instead")
     key = (fn, triton_interpreting())
     kernel = _JIT_CACHE.get(key)
     if kernel is None:
-        kernel = triton.jit(fn)
+        varying = getattr(fn, "_ddtree_varying_args", None)
+        kernel = triton.jit(fn, do_not_specialize=list(varying) if varying else None)
         _JIT_CACHE[key] = kernel
     return kernel
 

@@ -49,7 +49,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ._triton import can_use_triton, jit, next_power_of_2, tl
+from ._triton import can_use_triton, jit, next_power_of_2, tl, varying_args
 
 __all__ = [
     "KV_LAYOUTS",
@@ -492,6 +492,7 @@ def build_kv_ptr_table(kv_caches: Sequence[torch.Tensor], layout: Layout = "vllm
     return KVPointerTable(kv_caches, layout, layer_names)
 
 
+@varying_args("num_slots", "num_hid_rows")
 def _compact_path_kernel(
     kv_ptr,  # lowest-addressed layer's cache (widened word view)
     kv_off_ptr,  # [L] int64 element offsets of the layers from kv_ptr

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import can_use_triton, jit, tl
+from ._triton import can_use_triton, jit, tl, varying_args
 
 __all__ = [
     "rewrite_tree_positions_",
@@ -151,6 +151,7 @@ def tree_positions_reference(node_depths: torch.Tensor, start_positions: torch.T
 REWRITE_POSITIONS_BLOCK = 512
 
 
+@varying_args("n")
 def _rewrite_positions_kernel(
     pos_ptr,  # [num_tokens] int32/int64, rewritten in place
     rows_ptr,  # [n] int: logit row i -> token row

@@ -367,3 +367,27 @@ def test_positions_restore_reference_and_checks():
     with pytest.raises(ValueError, match="1-D integer"):
         compact_accepted_path_([], None, acc, num_acc, qsl, None, backend="torch",
                                positions=pos.float())
+
+
+def test_step_varying_counts_are_not_specialised(monkeypatch):
+    """Token/row counts change every step; specialising on them (== 1, % 16 == 0) would
+    compile new kernel variants in the middle of serving."""
+    from vllm_ddtree import _triton
+    from vllm_ddtree.tree_mask import _rewrite_positions_kernel
+
+    assert kvc._compact_path_kernel._ddtree_varying_args == ("num_slots", "num_hid_rows")
+    assert _rewrite_positions_kernel._ddtree_varying_args == ("n",)
+    if not _triton.HAS_TRITON:
+        pytest.skip("triton is not importable")
+    seen = {}
+
+    def fake_jit(fn, **kw):
+        seen[fn.__name__] = kw
+        return fn
+
+    monkeypatch.setattr(_triton.triton, "jit", fake_jit)
+    monkeypatch.setattr(_triton, "_JIT_CACHE", {})
+    _triton.jit(kvc._compact_path_kernel)
+    _triton.jit(kvc._compact_kv_kernel)
+    assert seen["_compact_path_kernel"]["do_not_specialize"] == ["num_slots", "num_hid_rows"]
+    assert seen["_compact_kv_kernel"]["do_not_specialize"] is None
