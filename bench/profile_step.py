@@ -44,6 +44,7 @@ sys.path.insert(0, ROOT)
 
 from bench.run import (  # noqa: E402
     DEFAULT_DRAFTER,
+    _free,
     load_prompt_sets,
     parse_config,
     spec_counters,
@@ -169,15 +170,7 @@ def profile_config(args, name: str, prompts) -> dict:
         with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(raw)
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free(llm)
     return rec
 
 
