@@ -28,27 +28,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.tiny_models import tiny_qwen3_config  # noqa: E402
 
 
 def _qwen3(**extra):
-    cfg = dict(
-        model_type="qwen3",
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        torch_dtype="float32",
-        hidden_act="silu",
-    )
-    cfg.update(extra)
-    return cfg
+    return tiny_qwen3_config(**extra)
 
 
 def make_tiny_models(root: str) -> tuple[str, str]:

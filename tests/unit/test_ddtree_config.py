@@ -21,6 +21,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 
+from bench.tiny_models import tiny_qwen3_config  # noqa: E402
 from vllm_ddtree.config import (  # noqa: E402
     MAX_TREE_BUDGET,
     DDTreeConfigError,
@@ -37,21 +38,10 @@ def _write_config(path, **fields):
 
 
 def _qwen3_fields(**extra):
-    fields = dict(
-        model_type="qwen3",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        torch_dtype="bfloat16",
-    )
+    # The shared tiny Qwen3 (bench/tiny_models.py), smaller still: only configs are built.
+    fields = tiny_qwen3_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                               head_dim=16, max_position_embeddings=2048,
+                               torch_dtype="bfloat16")
     fields.update(extra)
     return fields
 
