@@ -678,6 +678,8 @@ def store_trees_by_state_(
         return
     if not all(t.is_contiguous() for t in (*srcs, *tables)):
         raise ValueError("store_trees_by_state_ needs contiguous trees and tables")
+    if idx_mapping.stride(0) != 1:
+        idx_mapping = idx_mapping.contiguous()
     jit(_store_by_state_kernel)[(r,)](
         *srcs, idx_mapping, *tables, n, BLOCK=max(16, next_power_of_2(n)), num_warps=1,
     )
