@@ -138,7 +138,7 @@ case "${1:-}" in
   exact)
     prepare
     for dt in float32 bfloat16; do
-      VLLM_BATCH_INVARIANT=1 timeout 270 python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
+      VLLM_BATCH_INVARIANT=1 timeout 285 python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
         --drafter "$DRAFTER" --data "$DATA" --out "$OUT/gpu-equiv-real-$dt-graphs-batch-invariant.json" \
         --dtype "$dt" --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs \
         --variants no-spec-batch-shape ddtree-async ddtree-preempt dflash-chain \
