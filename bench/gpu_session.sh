@@ -7,7 +7,9 @@
 #                                      # greedy equivalence on the real pair (float32, eager)
 #   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots;
 #                                      # ddtree-b15 verifies as many tokens as the chain
-#   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end)
+#   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
+#                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
+#                                      # reference both use vLLM's batch-invariant kernels
 #   bash bench/gpu_session.sh cost     # bench/run.py --suite cost8b (Qwen3-8B shape, dummy)
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs

@@ -1035,6 +1035,9 @@ def main(argv: list[str] | None = None) -> int:
         stderr_path = os.path.join(args.log_dir, "server.stderr.log")
         run.result["server"] = {"command": shlex.join(cmd), "env": SERVER_ENV, "base_url": base,
                                 "speculative_config": spec,
+                                # Server and offline reference inherit it (exact greedy
+                                # comparison under load: docs/operations.md).
+                                "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT") == "1",
                                 "logs": {"stdout": stdout_path, "stderr": stderr_path}}
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             server = run.procs.start(cmd, env=child_env(), stdout=out, stderr=err)
