@@ -375,16 +375,21 @@ class DDTreeSpeculator(DFlashSpeculator):
             is_profile=is_profile,
         )
         if not dummy_run:
-            by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
-                        self.valid_by_state)
-            if self.fused_kernels:
-                store_trees_by_state_(self.trees, input_batch.idx_mapping, *by_state)
-            else:
-                store_trees_by_state_reference_(self.trees, input_batch.idx_mapping, *by_state)
+            self._store_trees(input_batch.idx_mapping)
         if profiler is not None:
             profiler.mark("drafted")
         return draft_tokens
 
+
+    def _store_trees(self, idx_mapping: torch.Tensor) -> None:
+        """This step's trees (batch order) into the by-state tables that the next
+        verification reads: a request may sit out steps, so trees live by state."""
+        by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
+                    self.valid_by_state)
+        if self.fused_kernels:
+            store_trees_by_state_(self.trees, idx_mapping, *by_state)
+        else:
+            store_trees_by_state_reference_(self.trees, idx_mapping, *by_state)
 
     def _generate_draft(
         self,

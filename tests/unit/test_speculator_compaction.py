@@ -74,3 +74,30 @@ def test_one_launch_path_equals_the_multi_launch_path(triton_device):
         assert torch.equal(a.cpu(), b.cpu())
     # Something moved: request 0's depth-1 row now holds node 2's hidden state.
     assert torch.equal(fused["hidden"][1].cpu(), _batch("cpu")["hidden"][2])
+
+
+def test_new_trees_land_by_request_state_on_both_paths(triton_device):
+    from vllm_ddtree.tree_builder import build_trees, empty_tree
+
+    results = []
+    for fused in (True, False):
+        spec = object.__new__(DDTreeSpeculator)
+        spec.fused_kernels = fused
+        out = empty_tree(6, BUDGET, "cpu")
+        trees = build_trees(torch.randn(6, DEPTH, 50, generator=torch.Generator().manual_seed(1)),
+                            BUDGET, backend="torch", out=out)
+        spec.trees = type(trees)(*(t.to(triton_device) for t in trees))
+        n = BUDGET + 1
+        spec.tokens_by_state = torch.zeros(10, n, dtype=torch.int64, device=triton_device)
+        spec.parents_by_state = torch.zeros(10, n, dtype=torch.int32, device=triton_device)
+        spec.depths_by_state = torch.zeros(10, n, dtype=torch.int32, device=triton_device)
+        spec.valid_by_state = torch.zeros(10, n, dtype=torch.bool, device=triton_device)
+        idx = torch.tensor([7, 2, 9], dtype=torch.int32, device=triton_device)
+        spec._store_trees(idx)
+        results.append(spec)
+        # batch row 1 -> state 2
+        assert torch.equal(spec.parents_by_state[2].cpu(), trees.node_parents[1])
+        assert torch.equal(spec.tokens_by_state[9].cpu(), trees.node_tokens[2])
+        assert not spec.valid_by_state[0].any()
+    for name in ("tokens_by_state", "parents_by_state", "depths_by_state", "valid_by_state"):
+        assert torch.equal(getattr(results[0], name).cpu(), getattr(results[1], name).cpu())
