@@ -14,14 +14,18 @@ timeline:
     step             one whole step (verify to next verify)       verify -> next verify
 
 When the CPU falls behind, the GPU idles between events and the gap lands in the
-stage that waited, so ``step`` minus the stages is host overhead. Off (the default),
-it costs one environment lookup at start-up.
+stage that waited, so ``step`` minus the stages is host overhead. Each stage is also
+timed on the host (``host_<stage>``, ``host_step``: ``time.perf_counter`` at the same
+marks, i.e. when the host *issued* the work): a stage whose host time exceeds its GPU
+time is bound by the host. Off (the default), it costs one environment lookup at
+start-up.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import deque
 
 import torch
@@ -56,6 +60,7 @@ class StepProfiler:
         self.times: dict[int, dict[str, list[float]]] = {}
         self.measured = 0
         self.info: dict = {}
+        self.clock = time.perf_counter  # seconds; replaceable in tests
 
     @classmethod
     def from_env(cls) -> "StepProfiler | None":
@@ -65,16 +70,19 @@ class StepProfiler:
     def mark(self, name: str, num_reqs: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             return
+        host = self.clock()
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         if name == "verify":
             # This verify event ends the previous step.
             if "verify" in self.current:
                 self.current["end"] = ev
+                self.current["host:end"] = host
                 self.pending.append(self.current)
             self.current = {"num_reqs": num_reqs or 0}
             self._resolve()
         self.current[name] = ev
+        self.current["host:" + name] = host
 
     def _resolve(self) -> None:
         # A step is resolved once the event that ends it has completed on the GPU.
@@ -88,7 +96,11 @@ class StepProfiler:
             for name, a, b in STAGES:
                 if a in step and b in step:
                     times.setdefault(name, []).append(step[a].elapsed_time(step[b]))
+                    times.setdefault("host_" + name, []).append(
+                        (step["host:" + b] - step["host:" + a]) * 1e3)
             times.setdefault("step", []).append(step["verify"].elapsed_time(end))
+            times.setdefault("host_step", []).append(
+                (step["host:end"] - step["host:verify"]) * 1e3)
             self.measured += 1
             for xs in times.values():
                 if len(xs) > self.keep:

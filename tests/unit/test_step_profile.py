@@ -41,6 +41,7 @@ def _step(prof, batch, durations):
 
 def test_stages_by_batch_size(fake_cuda, tmp_path):
     prof = StepProfiler(str(tmp_path / "p.json"), dump_every=2)
+    prof.clock = lambda: FakeClock.now / 1e3 + 100.0  # the host's clock, in seconds
     # verify->sample 5, sample->walked 1, walked->propose 0.5, propose->compacted 0.25,
     # compacted->drafted 2, drafted->next verify 0.25: a step of 9 ms.
     for _ in range(3):
@@ -53,6 +54,10 @@ def test_stages_by_batch_size(fake_cuda, tmp_path):
     assert b4["draft_tree"]["mean"] == 2
     assert b4["step"]["mean"] == 9 and b4["step"]["n"] == 3
     assert summary["by_batch_size"]["16"]["step"]["mean"] == 11
+    # Host times of the same stages (here the fake host clock runs with the GPU's).
+    assert b4["host_verify_forward"]["mean"] == pytest.approx(5)
+    assert b4["host_draft_tree"]["mean"] == pytest.approx(2)
+    assert b4["host_step"]["mean"] == pytest.approx(9)
     assert summary["measured_steps"] == 4
     dumped = json.loads((tmp_path / "p.json").read_text())
     assert dumped["measured_steps"] == 4
