@@ -31,10 +31,15 @@ Options (fields of vLLM's ``SpeculativeConfig``):
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 DDTREE_METHOD = "ddtree"
+# A child of vLLM's logger, so its messages reach vLLM's handlers and format.
+logger = logging.getLogger("vllm.ddtree")
+# vLLM's default largest CUDA graph (max_cudagraph_capture_size) when not yet resolved.
+DEFAULT_MAX_CUDAGRAPH_TOKENS = 512
 
 # A tree wider than this per request cannot pay off: an H200 verification forward of
 # an 8B target already doubles in cost between 256 and 512 tokens, and the tree mask
@@ -245,12 +250,44 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
         )
 
     tokens_per_request = spec.num_speculative_tokens + 1
+    warn_if_trees_outgrow_cuda_graphs(vllm_config)
     if scheduler is not None and scheduler.max_num_batched_tokens < tokens_per_request:
         raise DDTreeConfigError(
             f"ddtree: max_num_batched_tokens={scheduler.max_num_batched_tokens} cannot "
             f"hold one request's tree ({tokens_per_request} tokens = budget + root); "
             "raise it or lower num_speculative_tokens."
         )
+
+
+def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
+    """Warn (and return the message) when a full batch of full trees verifies more
+    tokens per forward than the largest CUDA graph and no batch-size schedule shrinks
+    the trees: those steps run without graphs. On the H200 that made the benchmark
+    pair's verification forward ~10x slower (docs/benchmarks.md: 1.5 -> 15.5 ms at
+    batch 16 with B=32). Not an error: the output stays right, and a user may want
+    the full tree at every batch size."""
+    spec = vllm_config.speculative_config
+    scheduler = vllm_config.scheduler_config
+    model_config = vllm_config.model_config
+    if scheduler is None or getattr(spec, "num_speculative_tokens_per_batch_size", None):
+        return None
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return None
+    compilation = getattr(vllm_config, "compilation_config", None)
+    cap = getattr(compilation, "max_cudagraph_capture_size", None) or DEFAULT_MAX_CUDAGRAPH_TOKENS
+    worst = (spec.num_speculative_tokens + 1) * scheduler.max_num_seqs
+    if worst <= cap:
+        return None
+    message = (
+        f"ddtree: with num_speculative_tokens={spec.num_speculative_tokens} and "
+        f"max_num_seqs={scheduler.max_num_seqs} a step can verify {worst} tokens, more "
+        f"than the largest CUDA graph ({cap} tokens); such steps run without CUDA graphs "
+        f"and their forward costs several times more. Set ddtree_tokens_per_step={cap} "
+        "(or lower, near your target's knee) to shrink the trees as the batch grows, or "
+        "lower max_num_seqs (docs/operations.md, 'Choosing the budget')."
+    )
+    logger.warning(message)
+    return message
 
 
 TREE_ATTENTION_BACKEND = "TRITON_ATTN"

@@ -326,3 +326,29 @@ def test_budget_schedule_needs_async_scheduling(model_dirs, target_config, monke
             target_config, spec, scheduler_config=_scheduler(target_config, False)))
     validate_ddtree_vllm_config(_engine_config(
         target_config, spec, scheduler_config=_scheduler(target_config, True)))
+
+
+def test_trees_outgrowing_cuda_graphs_are_warned_about(model_dirs, target_config, monkeypatch,
+                                                        caplog):
+    from vllm_ddtree.config import warn_if_trees_outgrow_cuda_graphs
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+
+    def cfg(spec, max_num_seqs):
+        return _engine_config(target_config, spec, scheduler_config=SchedulerConfig(
+            max_model_len=target_config.max_model_len, is_encoder_decoder=False,
+            max_num_batched_tokens=8192, max_num_seqs=max_num_seqs))
+
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32)
+    # 16 x 33 = 528 tokens > 512: warned, at start-up, naming the fix.
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        validate_ddtree_vllm_config(cfg(spec, 16))
+    assert "ddtree_tokens_per_step=512" in caplog.text and "528 tokens" in caplog.text
+    # 15 x 33 = 495 fits; a schedule shrinks the trees; eager has no graphs: no warning.
+    assert warn_if_trees_outgrow_cuda_graphs(cfg(spec, 15)) is None
+    scheduled = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+                      ddtree_tokens_per_step=512)
+    assert warn_if_trees_outgrow_cuda_graphs(cfg(scheduled, 64)) is None
+    eager = cfg(spec, 64)
+    eager.model_config = types.SimpleNamespace(enforce_eager=True)
+    assert warn_if_trees_outgrow_cuda_graphs(eager) is None
