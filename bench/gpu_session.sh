@@ -6,7 +6,9 @@
 #   bash bench/gpu_session.sh checks   # convert target, apply series, GPU kernel tests,
 #                                      # greedy equivalence on the real pair (float32, eager)
 #   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots;
-#                                      # ddtree-b15 verifies as many tokens as the chain
+#                                      # ddtree-b15 verifies as many tokens as the chain;
+#                                      # BENCH_PROFILE=1 also records DDTree's step profile
+#                                      # (its events cost DDTree host time: off by default)
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
@@ -86,7 +88,7 @@ case "${1:-}" in
   bench)
     prepare
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-fixture.json" --profile-dir "$OUT" --plots "$OUT" \
+      --out "$OUT/bench-fixture.json" --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
       --configs ${BENCH_CONFIGS:-no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
