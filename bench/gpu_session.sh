@@ -68,7 +68,7 @@ pack_out() {
     done
     if [ "${#rest[@]}" -gt 0 ]; then tar -czf "logs-${STEP}.tar.gz" "${rest[@]}" && rm -rf "${rest[@]}"; fi
     json=(*.json)
-    if [ "$(ls | wc -l)" -gt 8 ]; then tar -czf "results-${STEP}.tar.gz" "${json[@]}" && rm -f "${json[@]}"; fi
+    if [ "$(find . -mindepth 1 -maxdepth 1 | wc -l)" -gt 8 ]; then tar -czf "results-${STEP}.tar.gz" "${json[@]}" && rm -f "${json[@]}"; fi
   )
 }
 STEP="${1:-none}"
@@ -87,9 +87,10 @@ case "${1:-}" in
     ;;
   bench)
     prepare
+    read -r -a configs <<< "${BENCH_CONFIGS:-no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16}"
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-fixture.json" --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
-      --configs ${BENCH_CONFIGS:-no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16} \
+      --configs "${configs[@]}" \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;
