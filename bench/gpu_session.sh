@@ -22,8 +22,8 @@
 #                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, float32 and bf16,
 #                                      # with the no-speculation batch-shape control
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
-#                                      # GPU time goes (bench/profile_step.py), and batch-1
-#                                      # speed with the engine core in its own process
+#                                      # GPU time goes (bench/profile_step.py; engine core in
+#                                      # its own process, traced by vLLM's profiler)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/ddtree-out}"
@@ -155,13 +155,12 @@ case "${1:-}" in
     prepare
     fused_tests
     mkdir -p "$OUT/profile"
-    timeout 300 python3 bench/profile_step.py --configs no-spec dflash ddtree-b32 --trace \
+    read -r -a pconfigs <<< "${PROFILE_CONFIGS:-dflash ddtree-b32}"
+    # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process (session 3's run).
+    timeout 420 python3 bench/profile_step.py --engine-process "${PROFILE_MODE:-mp}" \
+      --configs "${pconfigs[@]}" --trace \
       --out-dir "$OUT/profile" > "$OUT/profile/profile-step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
-    timeout 240 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/profile/bench-batch1-mp.json" --engine-process mp --profile-dir "$OUT/profile" \
-      --configs no-spec dflash ddtree-b32 --batch-sizes 1 --temperatures 0 > "$OUT/profile/bench-batch1-mp.log" 2>&1
-    echo "bench mp rc=$?"; grep '^{\|failed' "$OUT/profile/bench-batch1-mp.log" | cut -c1-300
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
   *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact" >&2; exit 2 ;;

@@ -17,6 +17,11 @@ Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofil
 and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
 https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
 
+``--engine-process mp`` profiles the engine as ``vllm serve`` runs it, in its own
+process: through vLLM's own torch profiler (``profiler_config``, with Python stacks),
+whose trace of the engine process is summarised the same way plus the Python
+functions with the most own time per step (no cProfile there).
+
     python bench/profile_step.py --configs dflash ddtree-b32 --out-dir /tmp/prof
 """
 
@@ -35,8 +40,6 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-# The profilers see the engine core only when it runs in this process.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +106,56 @@ def summarize_torch_profile(prof, top: int = 25) -> dict:
             {"name": e.key[:120], "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
              "calls": e.count}
             for e in cpu_ops[:top]
+        ],
+    }
+
+
+def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
+    """The same summary from a Chrome trace (vLLM's profiler in the engine process),
+    plus own time per Python function (``python_function`` events, nested per thread)."""
+    events = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels: list[tuple[float, float]] = []
+    by_kernel: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((e["ts"], e["ts"] + e["dur"]))
+            agg = by_kernel.setdefault(e["name"], [0.0, 0])
+            agg[0] += e["dur"]
+            agg[1] += 1
+    own: dict[str, list[float]] = {}
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "python_function":
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, time of its children]
+        for e in evs + [None]:
+            while stack and (e is None or e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]):
+                done, children = stack.pop()
+                agg = own.setdefault(done["name"], [0.0, 0])
+                agg[0] += done["dur"] - children
+                agg[1] += 1
+                if stack:
+                    stack[-1][1] += done["dur"]
+            if e is not None:
+                stack.append([e, 0.0])
+    span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0
+    busy = busy_union_us(kernels)
+    n = max(steps, 1)
+    return {
+        "gpu_span_ms": round(span / 1e3, 3),
+        "gpu_busy_ms": round(busy / 1e3, 3),
+        "gpu_busy_fraction": round(busy / span, 4) if span else None,
+        "gpu_busy_ms_per_step": round(busy / 1e3 / n, 3),
+        "kernel_launches": len(kernels),
+        "top_kernels": [
+            {"name": k[:120], "us_per_step": round(t / n, 1), "calls_per_step": round(c / n, 2)}
+            for k, (t, c) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+        ],
+        "top_python_own_time": [
+            {"name": k[:160], "us_per_step": round(t / n, 1), "calls_per_step": round(c / n, 2)}
+            for k, (t, c) in sorted(own.items(), key=lambda kv: -kv[1][0])[:top]
         ],
     }
 
@@ -174,6 +227,60 @@ def profile_config(args, name: str, prompts) -> dict:
     return rec
 
 
+def profile_config_mp(args, name: str, prompts) -> dict:
+    """The engine core in its own process; vLLM's profiler traces it."""
+    import glob
+    import time as _time
+
+    from vllm import LLM
+    from vllm.config import ProfilerConfig
+
+    cfg = parse_config(name)
+    trace_dir = os.path.abspath(os.path.join(args.out_dir, f"trace-{name}"))
+    os.makedirs(trace_dir, exist_ok=True)
+    llm = LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
+              enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
+              max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
+              disable_log_stats=False,
+              profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=trace_dir,
+                                             torch_profiler_with_stack=True))
+    rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+                 "cuda_graphs": not args.eager, "engine_process": "mp"}
+    generate(llm, prompts, 16)  # warm-up
+    before = spec_counters(llm.get_metrics())
+    wall, n = generate(llm, prompts, args.max_tokens)
+    delta = spec_counters(llm.get_metrics()).minus(before)
+    steps = delta.drafts // len(prompts) if delta.drafts else args.max_tokens
+    rec["plain"] = {"wall_s": round(wall, 4), "output_tokens": n,
+                    "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
+                    "step_ms": round(wall / max(steps, 1) * 1e3, 3)}
+    llm.start_profile()
+    wall_t, _ = generate(llm, prompts, args.max_tokens)
+    llm.stop_profile()
+    rec["torch_profile_wall_s"] = round(wall_t, 4)
+    deadline = _time.time() + 120
+    traces: list[str] = []
+    while _time.time() < deadline:  # the engine process writes the trace after stopping
+        traces = glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True)
+        if traces:
+            break
+        _time.sleep(1)
+    if traces:
+        _time.sleep(2)
+        path = max(traces, key=os.path.getsize)
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            rec["torch_profile"] = summarize_chrome_trace(json.load(f), steps)
+        if args.trace:
+            shutil.copy(path, os.path.join(args.out_dir, f"profile-{name}-trace.json.gz"
+                                           if path.endswith(".gz") else f"profile-{name}-trace.json"))
+    else:
+        rec["torch_profile_error"] = f"no trace under {trace_dir} after 120 s"
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    _free(llm)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="+", default=["dflash", "ddtree-b32"])
@@ -187,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzip)")
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
+                    help="inproc: cProfile + torch.profiler in this process; mp: the engine "
+                         "core in its own process, traced by vLLM's profiler")
     args = ap.parse_args(argv)
+    # Read by vLLM when an engine starts.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "mp" else "0"
     for c in args.configs:
         parse_config(c)  # bad names fail before any GPU work
     if args.batch_size < 1:
@@ -201,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.configs:
         try:
-            rec = profile_config(args, name, prompts)
+            run = profile_config_mp if args.engine_process == "mp" else profile_config
+            rec = run(args, name, prompts)
         except Exception as exc:  # record and go on
             rec = {"config": name, "error": repr(exc)[:2000]}
         results.append(rec)

@@ -174,3 +174,27 @@ def test_host_overhead_bench_runs(tmp_path):
     names = {r["wrapper"] for r in rows}
     assert {"walk", "tree_bias", "store_trees_by_state", "compaction_with_positions"} <= names
     assert all(r["host_us_per_call"] > 0 for r in rows)
+
+
+def test_chrome_trace_summary_gives_gpu_busy_share_and_python_own_time():
+    from bench.profile_step import summarize_chrome_trace
+
+    ev = [
+        # GPU: two overlapping kernels and a copy; busy = 10 + 5 of a 30 us span
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 100, "dur": 8},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 104, "dur": 6},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 125, "dur": 5},
+        # host thread 1: step() 100 us calls a() 60 us, which calls b() 20 us
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "a", "ts": 10, "dur": 60, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "b", "ts": 20, "dur": 20, "pid": 1, "tid": 1},
+        # another thread, same name: counted separately from thread 1's nesting
+        {"ph": "X", "cat": "python_function", "name": "b", "ts": 15, "dur": 30, "pid": 1, "tid": 2},
+        {"ph": "i", "cat": "python_function", "name": "instant", "ts": 5},
+    ]
+    s = summarize_chrome_trace({"traceEvents": ev}, steps=1)
+    assert s["gpu_busy_ms"] == 0.015 and s["gpu_span_ms"] == 0.03
+    assert s["kernel_launches"] == 3
+    own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
+    assert own == {"step": 40.0, "a": 40.0, "b": 50.0}
+    assert s["top_kernels"][0]["name"] == "k1"
