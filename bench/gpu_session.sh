@@ -158,7 +158,7 @@ case "${1:-}" in
     read -r -a pconfigs <<< "${PROFILE_CONFIGS:-dflash ddtree-b32}"
     # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process (session 3's run).
     timeout 420 python3 bench/profile_step.py --engine-process "${PROFILE_MODE:-mp}" \
-      --configs "${pconfigs[@]}" --trace \
+      --configs "${pconfigs[@]}" --max-tokens 64 ${PROFILE_TRACE:+--trace} \
       --out-dir "$OUT/profile" > "$OUT/profile/profile-step.log" 2>&1
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
