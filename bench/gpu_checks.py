@@ -31,24 +31,20 @@ sys.path.insert(0, ROOT)
 from bench.tiny_models import tiny_qwen3_config  # noqa: E402
 
 
-def _qwen3(**extra):
-    return tiny_qwen3_config(**extra)
-
-
 def make_tiny_models(root: str) -> tuple[str, str]:
     target = os.path.join(root, "tiny-qwen3")
     drafter = os.path.join(root, "tiny-dflash")
     os.makedirs(target, exist_ok=True)
     os.makedirs(drafter, exist_ok=True)
     with open(os.path.join(target, "config.json"), "w") as f:
-        json.dump(dict(architectures=["Qwen3ForCausalLM"], **_qwen3()), f)
+        json.dump(dict(architectures=["Qwen3ForCausalLM"], **tiny_qwen3_config()), f)
     with open(os.path.join(drafter, "config.json"), "w") as f:
         json.dump(
             dict(
                 architectures=["DFlashDraftModel"],
                 block_size=16,
                 dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
-                **_qwen3(num_hidden_layers=1),
+                **tiny_qwen3_config(num_hidden_layers=1),
             ),
             f,
         )

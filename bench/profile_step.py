@@ -180,25 +180,37 @@ def generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def profile_config(args, name: str, prompts) -> dict:
-    import torch
+def start_engine(args, name: str, **extra):
+    """The engine of one configuration, as both profiling modes start it."""
     from vllm import LLM
 
     cfg = parse_config(name)
-    llm = LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
-              enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
-              max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
-              disable_log_stats=False)
-    rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-                 "cuda_graphs": not args.eager}
+    return LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
+               enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
+               max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
+               disable_log_stats=False, **extra)
+
+
+def plain_run(llm, args, prompts) -> tuple[dict, int]:
+    """Warm up, then one timed generation without profilers: its numbers and the
+    engine steps per request (spec-decode drafts; one per token without speculation)."""
     generate(llm, prompts, 16)  # warm-up
     before = spec_counters(llm.get_metrics())
     wall, n = generate(llm, prompts, args.max_tokens)
     delta = spec_counters(llm.get_metrics()).minus(before)
     steps = delta.drafts // len(prompts) if delta.drafts else args.max_tokens
-    rec["plain"] = {"wall_s": round(wall, 4), "output_tokens": n,
-                    "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
-                    "step_ms": round(wall / max(steps, 1) * 1e3, 3)}
+    return {"wall_s": round(wall, 4), "output_tokens": n,
+            "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
+            "step_ms": round(wall / max(steps, 1) * 1e3, 3)}, steps
+
+
+def profile_config(args, name: str, prompts) -> dict:
+    import torch
+
+    llm = start_engine(args, name)
+    rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+                 "cuda_graphs": not args.eager}
+    rec["plain"], steps = plain_run(llm, args, prompts)
 
     prof = cProfile.Profile()
     prof.enable()
@@ -230,43 +242,29 @@ def profile_config(args, name: str, prompts) -> dict:
 def profile_config_mp(args, name: str, prompts) -> dict:
     """The engine core in its own process; vLLM's profiler traces it."""
     import glob
-    import time as _time
 
-    from vllm import LLM
     from vllm.config import ProfilerConfig
 
-    cfg = parse_config(name)
     trace_dir = os.path.abspath(os.path.join(args.out_dir, f"trace-{name}"))
     os.makedirs(trace_dir, exist_ok=True)
-    llm = LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
-              enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
-              max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
-              disable_log_stats=False,
-              profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=trace_dir,
-                                             torch_profiler_with_stack=True))
+    llm = start_engine(args, name, profiler_config=ProfilerConfig(
+        profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=True))
     rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
                  "cuda_graphs": not args.eager, "engine_process": "mp"}
-    generate(llm, prompts, 16)  # warm-up
-    before = spec_counters(llm.get_metrics())
-    wall, n = generate(llm, prompts, args.max_tokens)
-    delta = spec_counters(llm.get_metrics()).minus(before)
-    steps = delta.drafts // len(prompts) if delta.drafts else args.max_tokens
-    rec["plain"] = {"wall_s": round(wall, 4), "output_tokens": n,
-                    "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
-                    "step_ms": round(wall / max(steps, 1) * 1e3, 3)}
+    rec["plain"], steps = plain_run(llm, args, prompts)
     llm.start_profile()
     wall_t, _ = generate(llm, prompts, args.max_tokens)
     llm.stop_profile()
     rec["torch_profile_wall_s"] = round(wall_t, 4)
-    deadline = _time.time() + 120
+    deadline = time.time() + 120
     traces: list[str] = []
-    while _time.time() < deadline:  # the engine process writes the trace after stopping
+    while time.time() < deadline:  # the engine process writes the trace after stopping
         traces = glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True)
         if traces:
             break
-        _time.sleep(1)
+        time.sleep(1)
     if traces:
-        _time.sleep(2)
+        time.sleep(2)
         path = max(traces, key=os.path.getsize)
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt") as f:

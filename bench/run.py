@@ -249,6 +249,11 @@ def strip_inexact_greedy(results: list[dict], exact: bool) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "greedy_match"} for r in results]
 
 
+def greedy_fields(outputs: list[list[int]], reference: list[list[int]], exact: bool) -> dict:
+    """:func:`compare_greedy`'s fields for a result row, ``greedy_match`` only if exact."""
+    return strip_inexact_greedy([compare_greedy(outputs, reference)], exact)[0]
+
+
 def cell_summary(
     outputs: list[list[int]],
     wall_s: float,
@@ -600,9 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                         if cfg.method is None:
                             reference[key] = outs
                         elif key in reference and not suite.dummy:
-                            entry.update(compare_greedy(outs, reference[key]))
-                            if not exact:
-                                entry.pop("greedy_match")
+                            entry.update(greedy_fields(outs, reference[key], exact))
                     rec.doc["results"].append(entry)
                     rec.save()
                     print(json.dumps({k: entry.get(k) for k in (

@@ -380,7 +380,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             profiler.mark("drafted")
         return draft_tokens
 
-
     def _store_trees(self, idx_mapping: torch.Tensor) -> None:
         """This step's trees (batch order) into the by-state tables that the next
         verification reads: a request may sit out steps, so trees live by state."""
