@@ -295,7 +295,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
                     help="inproc: cProfile + torch.profiler in this process; mp: the engine "
                          "core in its own process, traced by vLLM's profiler")
+    ap.add_argument("--summarize-trace", metavar="TRACE",
+                    help="no GPU run: summarise a Chrome trace written earlier (--trace) into "
+                         "<out-dir>/kernels-<name>.json, every kernel per step")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="with --summarize-trace: engine steps in the trace")
     args = ap.parse_args(argv)
+    if args.summarize_trace:
+        if not args.steps or args.steps < 1:
+            raise SystemExit("--summarize-trace needs --steps >= 1")
+        os.makedirs(args.out_dir, exist_ok=True)
+        opener = gzip.open if args.summarize_trace.endswith(".gz") else open
+        with opener(args.summarize_trace, "rt") as f:
+            summary = summarize_chrome_trace(json.load(f), args.steps, top=10_000)
+        name = os.path.basename(args.summarize_trace).split(".")[0]
+        summary.update(trace=os.path.basename(args.summarize_trace), steps=args.steps)
+        with open(os.path.join(args.out_dir, f"kernels-{name}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        return 0
     # Read by vLLM when an engine starts.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "mp" else "0"
     for c in args.configs:

@@ -198,3 +198,21 @@ def test_chrome_trace_summary_gives_gpu_busy_share_and_python_own_time():
     own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
     assert own == {"step": 40.0, "a": 40.0, "b": 50.0}
     assert s["top_kernels"][0]["name"] == "k1"
+
+
+def test_summarize_trace_mode_writes_every_kernel(tmp_path):
+    import gzip
+
+    from bench.profile_step import main as profile_main
+
+    trace = tmp_path / "profile-x-trace.json.gz"
+    ev = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": 10 * i, "dur": 2} for i in range(30)]
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    assert profile_main(["--summarize-trace", str(trace), "--steps", "2",
+                         "--out-dir", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "kernels-profile-x-trace.json").read_text())
+    assert len(out["top_kernels"]) == 30 and out["steps"] == 2
+    assert out["top_kernels"][0]["us_per_step"] == 1.0
+    with pytest.raises(SystemExit):
+        profile_main(["--summarize-trace", str(trace), "--out-dir", str(tmp_path)])
