@@ -3,6 +3,9 @@
 # 10-minute call limit). Assumes the staged vLLM (/opt/vllm-site) and fixture payload
 # (/opt/smollm2-fixture: GGUF + prompt sets) of docs/benchmarks.md; writes to $OUT.
 #
+# Steps run in the order given; several may share one device call (each keeps its own
+# timeouts). CHECKS_ALGOS=0 leaves the kernel timings out of `checks`.
+#
 #   bash bench/gpu_session.sh checks   # convert target, apply series, GPU kernel tests,
 #                                      # greedy equivalence on the real pair (float32, eager)
 #   bash bench/gpu_session.sh bench    # bench/run.py --suite fixture (CUDA graphs) + plots;
@@ -72,15 +75,20 @@ pack_out() {
     if [ "$(find . -mindepth 1 -maxdepth 1 | wc -l)" -gt 8 ]; then tar -czf "results-${STEP}.tar.gz" "${json[@]}" && rm -f "${json[@]}"; fi
   )
 }
-STEP="${1:-none}"
+[ "$#" -gt 0 ] || set -- none
+STEP="$(IFS=-; echo "$*")"
 trap pack_out EXIT
 
-case "${1:-}" in
+# Several steps may share one device call: `bash bench/gpu_session.sh checks profile`.
+for step in "$@"; do
+case "$step" in
   checks)
     prepare
     fused_tests
-    timeout 150 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
-    echo "algos rc=$?"; tail -17 "$OUT/gpu-bench-algorithms.log"
+    if [ "${CHECKS_ALGOS:-1}" != 0 ]; then
+      timeout 150 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
+      echo "algos rc=$?"; tail -17 "$OUT/gpu-bench-algorithms.log"
+    fi
     timeout 400 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
       --data "$DATA" --out "$OUT/gpu-equiv-real-fp32-eager.json" --dtype float32 --num-prompts 16 \
       --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real.log" 2>&1
@@ -154,7 +162,7 @@ case "${1:-}" in
     ;;
   profile)
     prepare
-    fused_tests
+    [ -f /opt/ddtree-fused-kernels ] || fused_tests
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${PROFILE_CONFIGS:-dflash ddtree-b32}"
     # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process (session 3's run).
@@ -164,5 +172,6 @@ case "${1:-}" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact" >&2; exit 2 ;;
 esac
+done

@@ -110,9 +110,17 @@ def summarize_torch_profile(prof, top: int = 25) -> dict:
     }
 
 
+# CUDA runtime calls that can make the host wait for the GPU (a D2H copy into
+# pageable memory blocks too); their time is attributed to the calling Python function.
+BLOCKING_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                          "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+
+
 def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
     """The same summary from a Chrome trace (vLLM's profiler in the engine process),
-    plus own time per Python function (``python_function`` events, nested per thread)."""
+    plus per Python function (``python_function`` events, nested per thread) its own
+    and inclusive time, the CUDA runtime calls per step, and which Python functions
+    issued the calls that can block on the GPU (synchronisations, copies)."""
     events = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels: list[tuple[float, float]] = []
     by_kernel: dict[str, list[float]] = {}
@@ -123,40 +131,61 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
             agg[0] += e["dur"]
             agg[1] += 1
     own: dict[str, list[float]] = {}
+    inclusive: dict[str, list[float]] = {}
+    runtime: dict[str, list[float]] = {}
+    blocking: dict[str, list[float]] = {}
     threads: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("cat") == "python_function":
+        if e.get("cat") in ("python_function", "cuda_runtime"):
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+
+    def add(table: dict, key: str, us: float) -> None:
+        agg = table.setdefault(key, [0.0, 0])
+        agg[0] += us
+        agg[1] += 1
+
     for evs in threads.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        # Outer before inner at equal start; runtime calls are leaves.
+        evs.sort(key=lambda e: (e["ts"], -e["dur"], e.get("cat") == "cuda_runtime"))
         stack: list[list] = []  # [event, time of its children]
         for e in evs + [None]:
             while stack and (e is None or e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]):
                 done, children = stack.pop()
-                agg = own.setdefault(done["name"], [0.0, 0])
-                agg[0] += done["dur"] - children
-                agg[1] += 1
+                add(own, done["name"], done["dur"] - children)
+                if all(done["name"] != outer[0]["name"] for outer in stack):
+                    add(inclusive, done["name"], done["dur"])
                 if stack:
                     stack[-1][1] += done["dur"]
-            if e is not None:
-                stack.append([e, 0.0])
+            if e is None:
+                continue
+            if e.get("cat") == "cuda_runtime":
+                add(runtime, e["name"], e["dur"])
+                if e["name"] in BLOCKING_RUNTIME_CALLS:
+                    caller = stack[-1][0]["name"] if stack else "(no Python caller)"
+                    add(blocking, f"{e['name']} <- {caller}", e["dur"])
+                continue
+            stack.append([e, 0.0])
     span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0
     busy = busy_union_us(kernels)
     n = max(steps, 1)
+
+    def ranked(table: dict, label: str, width: int) -> list[dict]:
+        return [
+            {"name": k[:width], label: round(t / n, 1), "calls_per_step": round(c / n, 2)}
+            for k, (t, c) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]
+        ]
+
     return {
         "gpu_span_ms": round(span / 1e3, 3),
         "gpu_busy_ms": round(busy / 1e3, 3),
         "gpu_busy_fraction": round(busy / span, 4) if span else None,
         "gpu_busy_ms_per_step": round(busy / 1e3 / n, 3),
         "kernel_launches": len(kernels),
-        "top_kernels": [
-            {"name": k[:120], "us_per_step": round(t / n, 1), "calls_per_step": round(c / n, 2)}
-            for k, (t, c) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
-        ],
-        "top_python_own_time": [
-            {"name": k[:160], "us_per_step": round(t / n, 1), "calls_per_step": round(c / n, 2)}
-            for k, (t, c) in sorted(own.items(), key=lambda kv: -kv[1][0])[:top]
-        ],
+        "top_kernels": ranked(by_kernel, "us_per_step", 120),
+        "top_python_own_time": ranked(own, "us_per_step", 160),
+        "top_python_inclusive_time": ranked(inclusive, "us_per_step", 160),
+        "cuda_runtime_per_step": ranked(runtime, "us_per_step", 80),
+        "blocking_runtime_calls_by_caller": ranked(blocking, "us_per_step", 200),
     }
 
 

@@ -198,6 +198,35 @@ def test_chrome_trace_summary_gives_gpu_busy_share_and_python_own_time():
     own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
     assert own == {"step": 40.0, "a": 40.0, "b": 50.0}
     assert s["top_kernels"][0]["name"] == "k1"
+    incl = {r["name"]: r["us_per_step"] for r in s["top_python_inclusive_time"]}
+    assert incl == {"step": 100.0, "a": 60.0, "b": 50.0}
+
+
+def test_chrome_trace_summary_attributes_blocking_runtime_calls_to_python_callers():
+    from bench.profile_step import summarize_chrome_trace
+
+    ev = [
+        {"ph": "X", "cat": "python_function", "name": "step", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "walk", "ts": 10, "dur": 50, "pid": 1, "tid": 1},
+        # a sync inside walk(), a launch inside walk(), a copy in step() after walk()
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 20, "dur": 30,
+         "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 55, "dur": 4,
+         "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 70, "dur": 6,
+         "pid": 1, "tid": 1},
+        # same name on another thread with no Python frame
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 5, "dur": 2,
+         "pid": 1, "tid": 2},
+    ]
+    s = summarize_chrome_trace({"traceEvents": ev}, steps=2)
+    blocking = {r["name"]: r["us_per_step"] for r in s["blocking_runtime_calls_by_caller"]}
+    assert blocking == {"cudaStreamSynchronize <- walk": 15.0, "cudaMemcpyAsync <- step": 3.0,
+                        "cudaMemcpyAsync <- (no Python caller)": 1.0}
+    runtime = {r["name"]: r["calls_per_step"] for r in s["cuda_runtime_per_step"]}
+    assert runtime == {"cudaStreamSynchronize": 0.5, "cudaLaunchKernel": 0.5, "cudaMemcpyAsync": 1.0}
+    own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
+    assert own == {"step": 25.0, "walk": 25.0}  # runtime calls are not Python frames
 
 
 def test_summarize_trace_mode_writes_every_kernel(tmp_path):
