@@ -10,6 +10,11 @@ included) and isolates the part of the host time we control.
 
     python bench/bench_host_overhead.py [--batch-sizes 1 16 64] [--iters 2000]
 
+``--device cuda`` (GPU host) runs the real kernels instead and adds baselines: a
+Triton launch with 1 and with 24 arguments, small torch ops, and the replay of CUDA
+graphs of 50 and 400 tiny kernels. Host time per call is the time to issue the calls
+(the GPU work is tiny and asynchronous), synchronised once at the end.
+
 Prints one JSON line per (wrapper, batch size): microseconds per call.
 """
 
@@ -21,7 +26,10 @@ import os
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # the wrappers then take their Triton path on CPU
+DEVICE = "cuda" if "--device=cuda" in sys.argv or (
+    "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cuda"]) else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # the wrappers then take their Triton path on CPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -44,13 +52,13 @@ def stub_kernels() -> None:
 
 
 def step_inputs(batch: int, budget: int = 32, depth: int = 15, layers: int = 30,
-                hidden: int = 576, num_states: int = 256):
+                hidden: int = 576, num_states: int = 256, device: str = "cpu"):
     n = budget + 1
     g = torch.Generator().manual_seed(0)
     num_tokens = batch * n
     idx = torch.randperm(num_states, generator=g)[:batch].to(torch.int32)
     cu = torch.arange(0, num_tokens + 1, n, dtype=torch.int32)
-    return dict(
+    out = dict(
         bias=torch.zeros(num_states, n, n),
         parents=torch.zeros(num_states, n, dtype=torch.int32),
         depths=torch.ones(num_states, n, dtype=torch.int32),
@@ -68,25 +76,94 @@ def step_inputs(batch: int, budget: int = 32, depth: int = 15, layers: int = 30,
         hidden=torch.zeros(num_tokens, hidden),
         slots=torch.arange(num_tokens, dtype=torch.int64),
         kv=[torch.zeros(64, 3, 16, 128) for _ in range(layers)],
-        depth=depth,
     )
+    out = {k: ([t.to(device) for t in v] if isinstance(v, list) else v.to(device))
+           for k, v in out.items()}
+    out["depth"] = depth
+    return out
 
 
-def timed(fn, iters: int) -> float:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, iters: int, device: str = "cpu") -> float:
     for _ in range(20):
         fn()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - t0) / iters * 1e6
+    issued = time.perf_counter() - t0
+    sync(device)
+    return issued / iters * 1e6
+
+
+def gpu_baselines(iters: int) -> dict:
+    """Launch-cost yardsticks on the GPU host: Triton launches of a kernel with 1 and
+    with 24 arguments, two small torch ops, and CUDA-graph replays."""
+    from vllm_ddtree._triton import jit, tl
+
+    def one_arg(x_ptr):
+        tl.store(x_ptr, 1)
+
+    def many_args(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11,
+                  n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11):
+        tl.store(p0, n0 + n1 + n2 + n3 + n4 + n5 + n6 + n7 + n8 + n9 + n10 + n11)
+
+    x = torch.zeros(16, dtype=torch.int32, device="cuda")
+    ptrs = [torch.zeros(16, dtype=torch.int32, device="cuda") for _ in range(12)]
+    ints = [3 + i for i in range(12)]
+    k1, k24 = jit(one_arg), jit(many_args)
+    idx = torch.arange(8, device="cuda")
+    calls = {
+        "triton_launch_1_arg": lambda: k1[(1,)](x),
+        "triton_launch_24_args": lambda: k24[(1,)](*ptrs, *ints),
+        "torch_index_select": lambda: torch.index_select(x, 0, idx),
+        "torch_empty_4": lambda: [torch.empty(8, device="cuda") for _ in range(4)],
+    }
+    # The compiled kernel launched directly (no binder, cache key or globals check):
+    # what a launcher that skips Triton's per-call Python path would cost.
+    compiled = k24[(1,)](*ptrs, *ints)
+    from triton.runtime.driver import driver
+
+    def direct():
+        stream = driver.active.get_current_stream(torch.cuda.current_device())
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None,
+                     None, *ptrs, *ints)
+
+    calls["triton_direct_launch_24_args"] = direct
+    for nodes in (50, 400):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.add_(1)
+            with torch.cuda.graph(g):
+                for _ in range(nodes):
+                    x.add_(1)
+        torch.cuda.current_stream().wait_stream(s)
+        calls[f"cuda_graph_replay_{nodes}_kernels"] = g.replay
+    return {name: timed(fn, iters, "cuda") for name, fn in calls.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: kernels stubbed out (any machine); cuda: real kernels")
     args = ap.parse_args(argv)
-    stub_kernels()
+    dev = args.device
+    if dev != DEVICE:
+        raise SystemExit("--device must be given on the command line (it is read at import)")
+    if dev == "cpu":
+        stub_kernels()
+    else:
+        for name, us in gpu_baselines(args.iters).items():
+            print(json.dumps({"wrapper": name, "device": dev, "host_us_per_call": round(us, 1)}),
+                  flush=True)
     from vllm_ddtree.kv_compaction import build_kv_ptr_table, compact_accepted_path_
     from vllm_ddtree.tree_attention import write_tree_attn_bias_fused
     from vllm_ddtree.tree_builder import empty_tree, store_trees_by_state_
@@ -94,18 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_ddtree.tree_walk import TreeWalk, walk_tree_fused
 
     for batch in args.batch_sizes:
-        x = step_inputs(batch)
+        x = step_inputs(batch, device=dev)
         d = x["depth"]
         table = build_kv_ptr_table(x["kv"])
-        trees = empty_tree(256, 32)
-        acc = torch.zeros(batch, d + 1, dtype=torch.int64)
-        num_acc = torch.zeros(batch, dtype=torch.int32)
+        trees = empty_tree(256, 32, dev)
+        acc = torch.zeros(batch, d + 1, dtype=torch.int64, device=dev)
+        num_acc = torch.zeros(batch, dtype=torch.int32, device=dev)
 
         def walk():
-            out = TreeWalk(torch.empty((batch, d + 1), dtype=torch.int64),
-                           torch.empty(batch, dtype=torch.int32),
-                           torch.empty((batch, d + 1), dtype=torch.int64),
-                           torch.empty(batch, dtype=torch.int32))
+            out = TreeWalk(torch.empty((batch, d + 1), dtype=torch.int64, device=dev),
+                           torch.empty(batch, dtype=torch.int32, device=dev),
+                           torch.empty((batch, d + 1), dtype=torch.int64, device=dev),
+                           torch.empty(batch, dtype=torch.int32, device=dev))
             walk_tree_fused(x["samples"], x["cu"], x["idx"], x["tokens"], x["parents"],
                             x["valid"], d, out=out)
 
@@ -132,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                 x["valid"].__setitem__(x["idx"], trees.node_valid[:batch])),
         }
         for name, fn in calls.items():
-            print(json.dumps({"wrapper": name, "batch": batch,
-                              "host_us_per_call": round(timed(fn, args.iters), 1)}), flush=True)
+            print(json.dumps({"wrapper": name, "batch": batch, "device": dev,
+                              "host_us_per_call": round(timed(fn, args.iters, dev), 1)}),
+                  flush=True)
     return 0
 
 
