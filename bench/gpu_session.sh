@@ -35,16 +35,22 @@ export PYTHONPATH=".:/opt/vllm-site" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLE
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 TARGET=/opt/smollm2-hf DATA=/opt/smollm2-fixture/data DRAFTER=bench/fixture/smollm2-dflash
 
-prepare() {
-  if [ ! -f "$TARGET/config.json" ]; then
-    python3 -m bench.fixture.convert_smollm2 --gguf /opt/smollm2-fixture/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
-  fi
+# The series applied to the staged vLLM (every step); `prepare` also converts the
+# benchmark target (needs the fixture payload; the 8B cost mode does not).
+apply_series() {
   ./apply.sh --site /opt/vllm-site > "$OUT/apply.log" 2>&1 || { echo "apply failed"; tail -20 "$OUT/apply.log"; exit 1; }
   # A GPU kernel failure (recorded by `checks`) switches to the unfused paths.
   if [ -f /opt/ddtree-fused-kernels ]; then
     VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
   fi
+}
+
+prepare() {
+  if [ ! -f "$TARGET/config.json" ]; then
+    python3 -m bench.fixture.convert_smollm2 --gguf /opt/smollm2-fixture/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
+  fi
+  apply_series
 }
 
 # The fused kernels' GPU tests; a failure switches later steps to the unfused paths.
@@ -111,7 +117,7 @@ case "$step" in
     echo "serve rc=$?"; tail -40 "$OUT/serve-e2e.log" | cut -c1-300
     ;;
   cost)
-    prepare
+    apply_series
     timeout 560 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
       --time-budget-s "${BENCH_BUDGET_S:-480}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
     echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300
