@@ -119,6 +119,7 @@ case "$step" in
   cost)
     apply_series
     timeout 560 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
+      ${COST_CONFIGS:+--configs $COST_CONFIGS} \
       --time-budget-s "${BENCH_BUDGET_S:-480}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
     echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300
     ;;
