@@ -50,7 +50,9 @@ def plot_results(doc: dict, out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
         ax1.legend(fontsize=8)
         fig.suptitle(f"{suite}: {pset}, T={temp:g} ({doc.get('gpu')}, vLLM {doc.get('vllm_version')}, "
-                     f"rev {doc.get('git_rev')})", fontsize=9)
+                     f"rev {doc.get('git_rev')}"
+                     + (f", code {doc['code_digest']}" if doc.get("code_digest") else "") + ")",
+                     fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{suite}-{pset}-T{temp:g}.png")
         fig.savefig(path, dpi=110)

@@ -116,6 +116,20 @@ BLOCKING_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                           "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
 
 
+def _caller(stack: list[list]) -> str:
+    """The innermost frame of a call stack, and when that is a torch built-in (``<built-in
+    method copy_ ...>``), the Python function that called it too."""
+    if not stack:
+        return "(no Python caller)"
+    inner = stack[-1][0]["name"]
+    if not inner.startswith("<built-in"):
+        return inner
+    outer = next((f[0]["name"] for f in reversed(stack) if not f[0]["name"].startswith("<built-in")),
+                 None)
+    short = inner.split(" of ")[0].replace("<built-in method ", "").replace("<built-in function ", "")
+    return f"{short} <- {outer}" if outer else inner
+
+
 def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
     """The same summary from a Chrome trace (vLLM's profiler in the engine process),
     plus per Python function (``python_function`` events, nested per thread) its own
@@ -161,8 +175,7 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
             if e.get("cat") == "cuda_runtime":
                 add(runtime, e["name"], e["dur"])
                 if e["name"] in BLOCKING_RUNTIME_CALLS:
-                    caller = stack[-1][0]["name"] if stack else "(no Python caller)"
-                    add(blocking, f"{e['name']} <- {caller}", e["dur"])
+                    add(blocking, f"{e['name']} <- {_caller(stack)}", e["dur"])
                 continue
             stack.append([e, 0.0])
     span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0

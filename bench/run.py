@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -366,6 +367,28 @@ def make_8b_models(root: str) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------- GPU run
+# What decides the measured code: our package, the series and the benchmark itself.
+CODE_DIGEST_PATHS = ("vllm_ddtree", "patches", "bench/run.py")
+
+
+def code_digest(root: str = ROOT) -> str:
+    """sha256 (first 12 hex digits) over the files that decide what a run measures.
+    Recorded beside ``git_rev``: a copied working tree may carry a stale ``.git``
+    (the GPU host's copy did), while this digest is always of the files that ran."""
+    h = hashlib.sha256()
+    for rel in CODE_DIGEST_PATHS:
+        path = os.path.join(root, rel)
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+            if not f.endswith((".pyc", ".pyo")) and "__pycache__" not in d)
+        for f in files:
+            h.update(os.path.relpath(f, root).encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+            h.update(b"\0")
+    return h.hexdigest()[:12]
+
+
 def git_rev() -> str:
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
@@ -550,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rec = Recorder(args.out, dict(
         git_rev=git_rev(),
+        code_digest=code_digest(),
         command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:] if argv is None
                                      else [os.path.relpath(__file__, ROOT)] + argv),
         suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,

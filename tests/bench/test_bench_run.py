@@ -218,15 +218,24 @@ def test_chrome_trace_summary_attributes_blocking_runtime_calls_to_python_caller
         # same name on another thread with no Python frame
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 5, "dur": 2,
          "pid": 1, "tid": 2},
+        # a copy issued by a torch built-in: named with the function that called it
+        {"ph": "X", "cat": "python_function", "name": "prepare", "ts": 200, "dur": 50, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "<built-in method copy_ of Tensor object at 0x1>",
+         "ts": 210, "dur": 20, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 215, "dur": 8,
+         "pid": 1, "tid": 1},
     ]
     s = summarize_chrome_trace({"traceEvents": ev}, steps=2)
     blocking = {r["name"]: r["us_per_step"] for r in s["blocking_runtime_calls_by_caller"]}
     assert blocking == {"cudaStreamSynchronize <- walk": 15.0, "cudaMemcpyAsync <- step": 3.0,
-                        "cudaMemcpyAsync <- (no Python caller)": 1.0}
+                        "cudaMemcpyAsync <- (no Python caller)": 1.0,
+                        "cudaMemcpyAsync <- copy_ <- prepare": 4.0}
     runtime = {r["name"]: r["calls_per_step"] for r in s["cuda_runtime_per_step"]}
-    assert runtime == {"cudaStreamSynchronize": 0.5, "cudaLaunchKernel": 0.5, "cudaMemcpyAsync": 1.0}
+    assert runtime == {"cudaStreamSynchronize": 0.5, "cudaLaunchKernel": 0.5, "cudaMemcpyAsync": 1.5}
     own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
-    assert own == {"step": 25.0, "walk": 25.0}  # runtime calls are not Python frames
+    # runtime calls are not Python frames
+    assert own == {"step": 25.0, "walk": 25.0, "prepare": 15.0,
+                   "<built-in method copy_ of Tensor object at 0x1>": 10.0}
 
 
 def test_summarize_trace_mode_writes_every_kernel(tmp_path):
@@ -245,3 +254,20 @@ def test_summarize_trace_mode_writes_every_kernel(tmp_path):
     assert out["top_kernels"][0]["us_per_step"] == 1.0
     with pytest.raises(SystemExit):
         profile_main(["--summarize-trace", str(trace), "--out-dir", str(tmp_path)])
+
+
+def test_code_digest_changes_with_the_measured_code_only(tmp_path):
+    from bench.run import code_digest
+
+    (tmp_path / "vllm_ddtree").mkdir()
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "vllm_ddtree" / "a.py").write_text("x = 1\n")
+    (tmp_path / "patches" / "series").write_text("p.patch\n")
+    (tmp_path / "bench" / "run.py").write_text("# run\n")
+    first = code_digest(str(tmp_path))
+    assert len(first) == 12 and first == code_digest(str(tmp_path))
+    (tmp_path / "README.md").write_text("docs do not count\n")
+    assert code_digest(str(tmp_path)) == first
+    (tmp_path / "vllm_ddtree" / "a.py").write_text("x = 2\n")
+    assert code_digest(str(tmp_path)) != first
