@@ -49,6 +49,8 @@ def stub_kernels() -> None:
     for mod in ("tree_attention", "tree_mask", "tree_walk", "kv_compaction", "tree_builder"):
         m = __import__(f"vllm_ddtree.{mod}", fromlist=["jit"])
         m.jit = lambda fn: _NoLaunch()
+        if hasattr(m, "launcher"):
+            m.launcher = lambda fn: _NoLaunch()
 
 
 def step_inputs(batch: int, budget: int = 32, depth: int = 15, layers: int = 30,
@@ -178,11 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         acc = torch.zeros(batch, d + 1, dtype=torch.int64, device=dev)
         num_acc = torch.zeros(batch, dtype=torch.int32, device=dev)
 
-        def walk():
-            out = TreeWalk(torch.empty((batch, d + 1), dtype=torch.int64, device=dev),
-                           torch.empty(batch, dtype=torch.int32, device=dev),
-                           torch.empty((batch, d + 1), dtype=torch.int64, device=dev),
-                           torch.empty(batch, dtype=torch.int32, device=dev))
+        def walk():  # as DDTreeSampler allocates its outputs
+            paths = torch.empty((2, batch, d + 1), dtype=torch.int64, device=dev)
+            counts = torch.empty((2, batch), dtype=torch.int32, device=dev)
+            out = TreeWalk(paths[0], counts[0], paths[1], counts[1])
             walk_tree_fused(x["samples"], x["cu"], x["idx"], x["tokens"], x["parents"],
                             x["valid"], d, out=out)
 

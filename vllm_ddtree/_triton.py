@@ -73,5 +73,146 @@ def jit(fn: Callable[..., Any]) -> Any:
     return kernel
 
 
+# Launch our per-step kernels through the compiled kernel's launcher once Triton has
+# compiled them for a call's signature (see :func:`launch`). "0" keeps Triton's own path.
+DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
+
+_I32 = (-(2**31), 2**31)
+
+
+def direct_launch_enabled() -> bool:
+    return os.environ.get(DIRECT_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def specialization_key(args: tuple, kwargs: dict) -> tuple | None:
+    """A key at least as fine as what Triton specialises a launch on, or None when an
+    argument is of a kind this does not handle (the caller then takes Triton's path).
+
+    Triton compiles one variant per (tensor dtypes and 16-byte alignment; integer
+    width, == 1 and % 16 == 0 unless marked not to; bools, floats, Nones; constexpr and
+    option values). This key records all of that for every argument whatever the
+    kernel's ``do_not_specialize`` marks, so equal keys always mean the same compiled
+    variant; it may split one variant into several keys, which only costs a first
+    launch through Triton's path for each."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif a is None:
+            key.append(None)
+        elif a is True or a is False:
+            key.append(("u1", a))
+        elif type(a) is int:
+            key.append(("i", _I32[0] <= a < _I32[1], a == 1, a % 16 == 0))
+        elif type(a) is float:
+            key.append(("f",))
+        else:
+            return None
+    for name, value in kwargs.items():
+        if not (value is None or type(value) in (int, bool, float, str)):
+            return None
+        key.append((name, value))
+    return tuple(key)
+
+
+def _has_hooks(hook: Any) -> bool:
+    """Whether a Triton launch hook would do anything: Triton 3.6 keeps an (often
+    empty) chain of hooks, older versions None or a plain callable."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+def _current_device() -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int) -> int:
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device)
+
+
+class DirectLauncher:
+    """``launcher[grid](*args, **kwargs)`` for one Triton kernel, like ``kernel[grid]``,
+    without Triton's per-call Python path (binder, cache key, checks: ~15-18 us of host
+    time for a kernel of ~24 arguments on the GPU host, ``bench/bench_host_overhead.py``).
+
+    The first launch with a given :func:`specialization_key` goes through Triton (which
+    compiles if needed and returns the compiled kernel); later ones call the compiled
+    kernel's launcher with the same full argument list Triton would pass. Triton's path
+    is kept for the interpreter, for launch hooks (profilers), for kernels with pre-run
+    hooks and for arguments :func:`specialization_key` does not handle.
+    """
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self.params = list(getattr(kernel, "params", ()))
+        self.cache: dict[tuple, tuple[Any, tuple]] = {}
+
+    def __getitem__(self, grid: tuple):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _tail(self, num_args: int, kwargs: dict) -> tuple | None:
+        """Values of the parameters after the positional ones, in signature order (given
+        as keywords, all part of the key, or defaulted); None when one is neither (the
+        first launch through Triton's path raised then anyway)."""
+        values = []
+        for p in self.params[num_args:]:
+            if p.name in kwargs:
+                values.append(kwargs[p.name])
+            elif p.has_default:
+                values.append(p.default)
+            else:
+                return None
+        return tuple(values)
+
+    def launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        hooked = (_has_hooks(runtime.launch_enter_hook) or _has_hooks(runtime.launch_exit_hook)
+                  or getattr(self.kernel, "pre_run_hooks", None))
+        key = None if hooked or not self.params else specialization_key(args, kwargs)
+        if key is None:
+            self.kernel[grid](*args, **kwargs)
+            return
+        device = _current_device()
+        key = (device, len(args)) + key
+        hit = self.cache.get(key)
+        if hit is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            tail = self._tail(len(args), kwargs)
+            if compiled is not None and tail is not None:
+                self.cache[key] = (compiled, tail)
+            return
+        compiled, tail = hit
+        g = tuple(grid) + (1, 1)
+        stream = _current_stream(device)
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *tail)
+
+
+_LAUNCHERS: dict[tuple[Callable[..., Any], bool], Any] = {}
+
+
+def launcher(fn: Callable[..., Any]) -> Any:
+    """What to index with a grid to launch ``fn``: a :class:`DirectLauncher` around
+    :func:`jit` (``fn``), or the jitted kernel itself under the interpreter or with
+    ``VLLM_DDTREE_DIRECT_LAUNCH=0``."""
+    if triton_interpreting() or not direct_launch_enabled():
+        return jit(fn)
+    key = (fn, True)
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        hit = _LAUNCHERS[key] = DirectLauncher(jit(fn))
+    return hit
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

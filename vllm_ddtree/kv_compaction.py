@@ -49,7 +49,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ._triton import can_use_triton, jit, next_power_of_2, tl, varying_args
+from ._triton import can_use_triton, jit, launcher, next_power_of_2, tl, varying_args
 
 __all__ = [
     "KV_LAYOUTS",
@@ -750,7 +750,7 @@ def compact_accepted_path_(
     dummy = accepted_nodes  # stands in for an absent tensor (never dereferenced)
     sizes = table.sizes if has_kv else (1, 1, 1)
     strides = table.strides if has_kv else (0, 0, 0)
-    jit(_compact_path_kernel)[grid](
+    launcher(_compact_path_kernel)[grid](
         table.base if has_kv else dummy,
         table.offsets if has_kv else dummy,
         hid if has_hid else dummy,

@@ -468,15 +468,13 @@ class DDTreeSampler:
             # Fresh outputs every step (the kernel writes every element, so no fill):
             # output_tokens becomes the runner's sampled tokens, which vLLM may still
             # be copying to the host asynchronously when the next step samples.
+            # Two allocations, not four: each output is a contiguous slice of one.
             num_reqs = input_batch.num_reqs
             width = self.tree_depth + 1
             device = logits.device
-            out = TreeWalk(
-                torch.empty((num_reqs, width), dtype=torch.int64, device=device),
-                torch.empty(num_reqs, dtype=torch.int32, device=device),
-                torch.empty((num_reqs, width), dtype=torch.int64, device=device),
-                torch.empty(num_reqs, dtype=torch.int32, device=device),
-            )
+            paths = torch.empty((2, num_reqs, width), dtype=torch.int64, device=device)
+            counts = torch.empty((2, num_reqs), dtype=torch.int32, device=device)
+            out = TreeWalk(paths[0], counts[0], paths[1], counts[1])
             walk = walk_tree_fused(
                 node_samples,
                 cu,

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._triton import can_use_triton, jit, next_power_of_2, tl
+from ._triton import can_use_triton, launcher, next_power_of_2, tl
 
 __all__ = [
     "allocate_tree_attn_bias",
@@ -310,7 +310,7 @@ def write_tree_attn_bias_fused(
         parents_by_state = parents_by_state.contiguous()
     block, rows, num_warps = tree_attn_bias_launch_config(q)
     grid = (num_reqs, (q + rows - 1) // rows)
-    jit(_tree_attn_bias_kernel)[grid](
+    launcher(_tree_attn_bias_kernel)[grid](
         bias,
         parents_by_state,
         idx_mapping,

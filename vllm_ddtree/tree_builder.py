@@ -53,7 +53,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._triton import can_use_triton, jit, next_power_of_2, tl
+from ._triton import can_use_triton, jit, launcher, next_power_of_2, tl
 
 __all__ = [
     "DDTree",
@@ -680,6 +680,6 @@ def store_trees_by_state_(
         raise ValueError("store_trees_by_state_ needs contiguous trees and tables")
     if idx_mapping.stride(0) != 1:
         idx_mapping = idx_mapping.contiguous()
-    jit(_store_by_state_kernel)[(r,)](
+    launcher(_store_by_state_kernel)[(r,)](
         *srcs, idx_mapping, *tables, n, BLOCK=max(16, next_power_of_2(n)), num_warps=1,
     )

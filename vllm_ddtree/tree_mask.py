@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import can_use_triton, jit, tl, varying_args
+from ._triton import can_use_triton, launcher, tl, varying_args
 
 __all__ = [
     "rewrite_tree_positions_",
@@ -257,7 +257,7 @@ def rewrite_tree_positions_(
     if n == 0:
         return linear
     block = REWRITE_POSITIONS_BLOCK
-    jit(_rewrite_positions_kernel)[((n + block - 1) // block,)](
+    launcher(_rewrite_positions_kernel)[((n + block - 1) // block,)](
         positions,
         logits_indices,
         expanded_local_pos,

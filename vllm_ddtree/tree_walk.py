@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import can_use_triton, jit, next_power_of_2, tl
+from ._triton import can_use_triton, launcher, next_power_of_2, tl
 
 __all__ = ["TreeWalk", "empty_walk", "walk_tree", "walk_tree_fused", "walk_tree_reference"]
 
@@ -387,7 +387,7 @@ def walk_tree_fused(
     if valid.stride(1) != 1:
         valid = valid.contiguous()
     block = max(16, next_power_of_2(n))
-    jit(_walk_fused_kernel)[(num_req,)](
+    launcher(_walk_fused_kernel)[(num_req,)](
         samples.contiguous(), cu_num_logits.contiguous(), idx_mapping.contiguous(), tokens, parents, valid,
         res.accepted_nodes, res.num_accepted, res.output_tokens, res.num_output,
         n, max_depth, pad_id,

@@ -115,19 +115,23 @@ def _bits(t):
 
 def _count_launches(monkeypatch):
     launches = []
-    real_jit = kvc.jit
 
-    def counting_jit(fn):
-        kernel = real_jit(fn)
+    def counting(real):
+        def wrap(fn):
+            kernel = real(fn)
 
-        class _Launcher:
-            def __getitem__(self, grid):
-                launches.append((fn.__name__, grid))
-                return kernel[grid]
+            class _Launcher:
+                def __getitem__(self, grid):
+                    launches.append((fn.__name__, grid))
+                    return kernel[grid]
 
-        return _Launcher()
+            return _Launcher()
 
-    monkeypatch.setattr(kvc, "jit", counting_jit)
+        return wrap
+
+    # Per-layer kernels launch through jit, the one-launch path through launcher.
+    monkeypatch.setattr(kvc, "jit", counting(kvc.jit))
+    monkeypatch.setattr(kvc, "launcher", counting(kvc.launcher))
     return launches
 
 

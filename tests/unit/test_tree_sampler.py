@@ -1,0 +1,104 @@
+"""DDTreeSampler (the runner's rejection sampler for DDTree): the one-launch walk and
+the multi-launch walk give the same runner output and record the same accepted paths,
+for a batch mixing tree requests, a request whose tree was cut short by the scheduler
+and a plain decode without a tree."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import vllm_ddtree.speculator as spec_mod  # noqa: E402
+from vllm_ddtree.speculator import DDTreeSampler, DDTreeSpeculator  # noqa: E402
+
+DEPTH, BUDGET, VOCAB, STATES = 4, 7, 3, 6
+
+
+def _num_sampled_and_rejected(num_output, seq_lens, cu, idx_mapping, prefill_len):
+    # The runner's helper for decodes: all outputs count; rejected = verified - kept.
+    n = num_output.shape[0]
+    verified = (cu[1:n + 1] - cu[:n]).to(torch.int32)
+    return num_output.to(torch.int32), verified - num_output.to(torch.int32)
+
+
+def _setup(device):
+    g = torch.Generator().manual_seed(11)
+    n = BUDGET + 1
+    parents = torch.zeros(STATES, n, dtype=torch.int32)
+    parents[:, 0] = -1
+    for i in range(1, n):
+        parents[:, i] = torch.randint(0, i, (STATES,), generator=g)
+    tokens = torch.randint(0, VOCAB, (STATES, n), generator=g)
+    valid = torch.ones(STATES, n, dtype=torch.bool)
+    valid[1, 5:] = False  # a smaller tree in state 1
+    # Batch: state 4 (full tree), state 1 (tree, 4 nodes scheduled), state 2 (no tree)
+    idx = torch.tensor([4, 1, 2], dtype=torch.int32)
+    rows_per_req = [n, 4, 1]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(rows_per_req)]), dtype=torch.int32)
+    num_logits = int(cu[-1])
+    logits = torch.randn(num_logits, VOCAB, generator=g)
+    to = lambda t: t.to(device)  # noqa: E731
+    local = torch.cat([torch.arange(k) for k in rows_per_req]).to(torch.int32)
+    batch = types.SimpleNamespace(
+        num_reqs=3, idx_mapping=to(idx), idx_mapping_np=idx.numpy(), cu_num_logits=to(cu),
+        logits_indices=to(torch.arange(num_logits)), positions=to(torch.arange(num_logits) + 50),
+        input_ids=to(torch.zeros(num_logits, dtype=torch.int64)),
+        expanded_idx_mapping=to(idx.repeat_interleave(torch.tensor(rows_per_req))),
+        expanded_local_pos=to(local), seq_lens=to(torch.tensor([60, 70, 80], dtype=torch.int32)))
+    return dict(parents=to(parents), tokens=to(tokens), valid=to(valid), logits=to(logits),
+                batch=batch)
+
+
+def _run(s, fused: bool):
+    spec = object.__new__(DDTreeSpeculator)
+    spec.fused_kernels = fused
+    spec.tree_depth = DEPTH
+    spec.num_tree_nodes = BUDGET + 1
+    spec.profiler = None
+    spec.tokens_by_state, spec.parents_by_state, spec.valid_by_state = (
+        s["tokens"], s["parents"], s["valid"])
+    spec._verified_rows = s["batch"].logits_indices
+    sampler = types.SimpleNamespace(
+        compute_nans=False,
+        sampling_states=types.SimpleNamespace(
+            max_num_logprobs=lambda idx_np: spec_mod.NO_LOGPROBS),
+        sample=lambda logits, *a: (logits.argmax(-1), None),  # greedy target samples
+        req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
+    )
+    out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
+    return out, spec
+
+
+def test_fused_and_unfused_walks_give_the_same_runner_output(triton_device, monkeypatch):
+    monkeypatch.setattr(spec_mod, "get_num_sampled_and_rejected", _num_sampled_and_rejected)
+    s = _setup(triton_device)
+    (a, spec_a), (b, spec_b) = _run(s, True), _run(s, False)
+    assert torch.equal(a.num_sampled.cpu(), b.num_sampled.cpu())
+    assert torch.equal(a.num_rejected.cpu(), b.num_rejected.cpu())
+    n_out = a.num_sampled.cpu().tolist()
+    for r, k in enumerate(n_out):
+        # Outputs past num_output are padding and may differ between the paths.
+        assert torch.equal(a.sampled_token_ids[r, :k].cpu(), b.sampled_token_ids[r, :k].cpu())
+    assert torch.equal(spec_a.num_accepted.cpu(), spec_b.num_accepted.cpu())
+    for r, k in enumerate(spec_a.num_accepted.cpu().tolist()):
+        assert torch.equal(spec_a.accepted_nodes[r, :k + 1].cpu(),
+                           spec_b.accepted_nodes[r, :k + 1].cpu())
+    assert spec_a._pending_compaction and spec_b._pending_compaction
+    # The plain decode (no tree) outputs exactly its one sampled token.
+    assert n_out[2] == 1
+    assert int(a.sampled_token_ids[2, 0]) == int(s["logits"][-1].argmax())
+    # The fused outputs are contiguous rows the runner can copy to the host as they are.
+    assert a.sampled_token_ids.is_contiguous() and a.num_sampled.is_contiguous()
+
+
+def test_the_scenario_accepts_tree_nodes(triton_device, monkeypatch):
+    """Guard for the comparison above: the greedy target does follow the trees."""
+    monkeypatch.setattr(spec_mod, "get_num_sampled_and_rejected", _num_sampled_and_rejected)
+    out, spec = _run(_setup(triton_device), True)
+    accepted = spec.num_accepted.cpu().tolist()
+    assert accepted[0] >= 1 and accepted[2] == 0
