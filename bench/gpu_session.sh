@@ -55,7 +55,8 @@ prepare() {
 
 # The fused kernels' GPU tests; a failure switches later steps to the unfused paths.
 fused_tests() {
-  if timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
+  # With the direct launcher on, so that its compiled launches are checked too.
+  if VLLM_DDTREE_DIRECT_LAUNCH=1 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
       tests/unit/test_tree_bias_fused.py tests/unit/test_kv_compaction_fused.py tests/unit/test_tree_positions_fused.py \
       tests/unit/test_tree_store_fused.py tests/unit/test_speculator_compaction.py tests/unit/test_direct_launch.py tests/unit/test_tree_sampler.py > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
     echo 1 > /opt/ddtree-fused-kernels

@@ -73,15 +73,18 @@ def jit(fn: Callable[..., Any]) -> Any:
     return kernel
 
 
-# Launch our per-step kernels through the compiled kernel's launcher once Triton has
-# compiled them for a call's signature (see :func:`launch`). "0" keeps Triton's own path.
+# "1" launches our per-step kernels through the compiled kernel's launcher once Triton
+# has compiled them for a call's specialisation (:class:`DirectLauncher`). Off by
+# default until its GPU tests (tests/unit/test_direct_launch.py and the fused-kernel
+# tests, run with it on by `bench/gpu_session.sh checks`) and an engine run have passed
+# on the GPU host; it was written after session 4's device time was spent.
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
 
 _I32 = (-(2**31), 2**31)
 
 
 def direct_launch_enabled() -> bool:
-    return os.environ.get(DIRECT_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return os.environ.get(DIRECT_LAUNCH_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def specialization_key(args: tuple, kwargs: dict) -> tuple | None:
@@ -203,8 +206,8 @@ _LAUNCHERS: dict[tuple[Callable[..., Any], bool], Any] = {}
 
 def launcher(fn: Callable[..., Any]) -> Any:
     """What to index with a grid to launch ``fn``: a :class:`DirectLauncher` around
-    :func:`jit` (``fn``), or the jitted kernel itself under the interpreter or with
-    ``VLLM_DDTREE_DIRECT_LAUNCH=0``."""
+    :func:`jit` (``fn``) with ``VLLM_DDTREE_DIRECT_LAUNCH=1``, else (and always under
+    the interpreter) the jitted kernel itself."""
     if triton_interpreting() or not direct_launch_enabled():
         return jit(fn)
     key = (fn, True)

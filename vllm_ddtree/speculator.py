@@ -39,6 +39,7 @@ from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree._triton import direct_launch_enabled
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -136,11 +137,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         if self.profiler is not None:
             self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
-            "DDTree: budget %d nodes, depth %d, top-k %d per position, %s kernels",
+            "DDTree: budget %d nodes, depth %d, top-k %d per position, %s kernels%s",
             self.tree_budget,
             self.tree_depth,
             self.tree_top_k,
             "fused" if self.fused_kernels else "unfused",
+            ", direct launches" if direct_launch_enabled() else "",
         )
 
     # ----------------------------------------------------------------- set-up

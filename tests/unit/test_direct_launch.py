@@ -124,10 +124,13 @@ def test_hooks_count_only_when_they_would_run():
     assert _triton._has_hooks(chain) and _triton._has_hooks(print)
 
 
-def test_launcher_is_plain_jit_under_the_interpreter_or_when_disabled(monkeypatch):
+def test_launcher_is_plain_jit_under_the_interpreter_or_unless_enabled(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(_triton.DIRECT_LAUNCH_ENV)
+    assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)  # off by default
     monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "0")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
     monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
