@@ -10,7 +10,8 @@ included) and isolates the part of the host time we control.
 
     python bench/bench_host_overhead.py [--batch-sizes 1 16 64] [--iters 2000]
 
-``--device cuda`` (GPU host) runs the real kernels instead and adds baselines: a
+``--device cuda`` (GPU host) runs the real kernels instead, each wrapper with Triton's
+launch path and with the direct launcher (``VLLM_DDTREE_DIRECT_LAUNCH``), and adds baselines: a
 Triton launch with 1 and with 24 arguments, small torch ops, and the replay of CUDA
 graphs of 50 and 400 tiny kernels. Host time per call is the time to issue the calls
 (the GPU work is tiny and asynchronous), synchronised once at the end.
@@ -209,10 +210,18 @@ def main(argv: list[str] | None = None) -> int:
                 x["depths"].__setitem__(x["idx"], trees.node_depths[:batch]),
                 x["valid"].__setitem__(x["idx"], trees.node_valid[:batch])),
         }
-        for name, fn in calls.items():
-            print(json.dumps({"wrapper": name, "batch": batch, "device": dev,
-                              "host_us_per_call": round(timed(fn, args.iters, dev), 1)}),
-                  flush=True)
+        # On the GPU host each wrapper is timed with Triton's launch path and with the
+        # direct launcher (VLLM_DDTREE_DIRECT_LAUNCH, read at every launch).
+        modes = ["triton", "direct"] if dev == "cuda" else [None]
+        for mode in modes:
+            if mode is not None:
+                os.environ[_triton.DIRECT_LAUNCH_ENV] = "1" if mode == "direct" else "0"
+            for name, fn in calls.items():
+                row = {"wrapper": name, "batch": batch, "device": dev}
+                if mode is not None:
+                    row["launch"] = mode
+                row["host_us_per_call"] = round(timed(fn, args.iters, dev), 1)
+                print(json.dumps(row), flush=True)
     return 0
 
 
