@@ -24,6 +24,8 @@
 #   bash bench/gpu_session.sh exact    # greedy equivalence with vLLM's batch-invariant kernels
 #                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, float32 and bf16,
 #                                      # with the no-speculation batch-shape control
+#   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, host cost per
+#                                      # wrapper, engines with and without it (batch 1, 4)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -168,6 +170,21 @@ case "$step" in
       echo "exact $dt rc=$?"; grep '^{' "$OUT/gpu-equiv-real-$dt-batch-invariant.log" | cut -c1-300
     done
     ;;
+  launch)
+    # The direct Triton launcher (VLLM_DDTREE_DIRECT_LAUNCH): its GPU tests, the host
+    # cost of every wrapper with and without it, and engines with and without it side
+    # by side at batch 1 and 4 (twice the usual requests per cell against the noise).
+    prepare
+    fused_tests
+    timeout 60 python3 bench/bench_host_overhead.py --device cuda --batch-sizes 1 16 --iters 1000 \
+      > "$OUT/host-overhead-gpu-direct.txt" 2>&1
+    echo "host overhead rc=$?"
+    timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-direct-launch.json" --configs ddtree-b64-t512 ddtree-b64-t512+direct dflash \
+      --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75 \
+      > "$OUT/bench-direct-launch.log" 2>&1
+    echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-direct-launch.log" | cut -c1-300
+    ;;
   profile)
     prepare
     [ -f /opt/ddtree-fused-kernels ] || fused_tests
@@ -180,6 +197,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch" >&2; exit 2 ;;
 esac
 done

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -66,6 +66,8 @@ class BenchConfig:
     method: str | None
     num_speculative_tokens: int = 0
     tokens_per_step: int | None = None
+    # Environment for the engine (its engine-core process inherits it at start).
+    env: tuple[tuple[str, str], ...] = ()
 
     def speculative_config(self, drafter: str) -> dict | None:
         if self.method is None:
@@ -87,7 +89,22 @@ class BenchConfig:
         return spec
 
 
+# Name suffixes that set an engine environment variable, so that two engines differing
+# only in it can be measured side by side (e.g. ddtree-b64-t512 ddtree-b64-t512+direct).
+CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1")}
+
+
 def parse_config(name: str) -> BenchConfig:
+    core, *flags = name.split("+")
+    unknown = [f for f in flags if f not in CONFIG_FLAGS]
+    if unknown:
+        raise ValueError(f"unknown benchmark config {name!r}: flags {unknown} "
+                         f"(known: {sorted(CONFIG_FLAGS)})")
+    cfg = _parse_core_config(core)
+    return replace(cfg, name=name, env=tuple(CONFIG_FLAGS[f] for f in flags))
+
+
+def _parse_core_config(name: str) -> BenchConfig:
     base, _, tail = name.partition("-t")
     tokens = None
     if tail:
@@ -428,10 +445,17 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         os.makedirs(args.profile_dir, exist_ok=True)
         profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{cfg.name}.json")
         os.environ["VLLM_DDTREE_PROFILE"] = profile
+    saved = {k: os.environ.get(k) for k, _ in cfg.env}
+    os.environ.update(dict(cfg.env))
     try:
         return LLM(**kw), profile
     finally:
         os.environ.pop("VLLM_DDTREE_PROFILE", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _free(llm) -> None:

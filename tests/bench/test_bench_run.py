@@ -29,6 +29,15 @@ def test_configs_parse_to_speculative_configs():
     assert chain["num_speculative_tokens_per_batch_size"][0] == [1, 32, 15]
 
 
+def test_a_config_flag_sets_engine_environment_only():
+    plain, direct = parse_config("ddtree-b64-t512"), parse_config("ddtree-b64-t512+direct")
+    assert direct.name == "ddtree-b64-t512+direct" and plain.env == ()
+    assert direct.env == (("VLLM_DDTREE_DIRECT_LAUNCH", "1"),)
+    assert direct.speculative_config("d") == plain.speculative_config("d")
+    with pytest.raises(ValueError, match="flags"):
+        parse_config("ddtree-b32+turbo")
+
+
 @pytest.mark.parametrize("name", ["ddtree", "ddtree-b0", "ddtree-bx", "no-spec-t4",
                                   "ddtree-b8-t1", "eagle"])
 def test_bad_config_names_are_refused(name):
