@@ -55,18 +55,27 @@ prepare() {
   apply_series
 }
 
+FUSED_TESTS="tests/unit/test_tree_walk_fused.py tests/unit/test_tree_bias_fused.py
+  tests/unit/test_kv_compaction_fused.py tests/unit/test_tree_positions_fused.py
+  tests/unit/test_tree_store_fused.py tests/unit/test_speculator_compaction.py
+  tests/unit/test_tree_sampler.py"
+
 # The fused kernels' GPU tests; a failure switches later steps to the unfused paths.
+# Then the same tests again through the direct launcher (VLLM_DDTREE_DIRECT_LAUNCH=1,
+# opt-in): its result is reported, and decides nothing for later steps.
 fused_tests() {
-  # With the direct launcher on, so that its compiled launches are checked too.
-  if VLLM_DDTREE_DIRECT_LAUNCH=1 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/unit/test_tree_walk_fused.py \
-      tests/unit/test_tree_bias_fused.py tests/unit/test_kv_compaction_fused.py tests/unit/test_tree_positions_fused.py \
-      tests/unit/test_tree_store_fused.py tests/unit/test_speculator_compaction.py tests/unit/test_direct_launch.py tests/unit/test_tree_sampler.py > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
+  # shellcheck disable=SC2086  # FUSED_TESTS is a list of paths
+  if timeout 150 python3 -m pytest -q -x -p no:cacheprovider $FUSED_TESTS > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
     echo 1 > /opt/ddtree-fused-kernels
   else
     echo 0 > /opt/ddtree-fused-kernels; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
   fi
   tail -3 "$OUT/gpu-fused-kernel-tests.log"
   VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+  # shellcheck disable=SC2086
+  VLLM_DDTREE_DIRECT_LAUNCH=1 timeout 150 python3 -m pytest -q -p no:cacheprovider $FUSED_TESTS \
+    tests/unit/test_direct_launch.py > "$OUT/gpu-direct-launch-tests.log" 2>&1
+  echo "direct-launch tests rc=$?"; tail -2 "$OUT/gpu-direct-launch-tests.log"
 }
 
 # The device tool returns at most 8 files per call: leave the JSON results loose and
