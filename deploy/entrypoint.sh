@@ -7,6 +7,8 @@
 #   DDTREE_DRAFTER          DFlash drafter directory or hub id; enables DDTree
 #   DDTREE_BUDGET           tree node budget B = num_speculative_tokens    (required with DDTREE_DRAFTER)
 #   DDTREE_MAX_DEPTH        optional tree depth limit (default: drafter block size - 1)
+#   DDTREE_TOKENS_PER_STEP  optional: verified tokens per forward to aim for; the budget then
+#                           shrinks as the batch grows (ddtree_tokens_per_step, >= 2)
 #   SPECULATIVE_CONFIG      raw JSON for --speculative-config, instead of the DDTREE_* variables
 #   TENSOR_PARALLEL_SIZE    GPUs per model replica
 #   PIPELINE_PARALLEL_SIZE  pipeline stages (DDTree does not support more than 1 yet)
@@ -57,9 +59,12 @@ fi
 [[ -n ${MODEL:-} ]] || die "MODEL is not set: give the target model's directory (or hub id)"
 require_existing_path MODEL
 
-for name in DDTREE_BUDGET DDTREE_MAX_DEPTH TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
+for name in DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
     require_positive_int "$name"
 done
+if [[ -n ${DDTREE_TOKENS_PER_STEP:-} ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
+    die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward), got '$DDTREE_TOKENS_PER_STEP'"
+fi
 
 port=${PORT:-8000}
 if ! is_positive_int "$port" || ((port > 65535)); then
@@ -79,7 +84,7 @@ esac
 # The speculative config: either built from DDTREE_* or taken verbatim from SPECULATIVE_CONFIG.
 speculative_config=""
 if [[ -n ${SPECULATIVE_CONFIG:-} ]]; then
-    for name in DDTREE_DRAFTER DDTREE_BUDGET DDTREE_MAX_DEPTH; do
+    for name in DDTREE_DRAFTER DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP; do
         [[ -z ${!name:-} ]] || die "set either SPECULATIVE_CONFIG or $name, not both"
     done
     speculative_config=$(python3 -c '
@@ -102,10 +107,12 @@ config = {"method": "ddtree", "model": os.environ["DDTREE_DRAFTER"],
           "num_speculative_tokens": int(os.environ["DDTREE_BUDGET"])}
 if os.environ.get("DDTREE_MAX_DEPTH"):
     config["ddtree_max_depth"] = int(os.environ["DDTREE_MAX_DEPTH"])
+if os.environ.get("DDTREE_TOKENS_PER_STEP"):
+    config["ddtree_tokens_per_step"] = int(os.environ["DDTREE_TOKENS_PER_STEP"])
 print(json.dumps(config))
 ')
 else
-    for name in DDTREE_BUDGET DDTREE_MAX_DEPTH; do
+    for name in DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP; do
         [[ -z ${!name:-} ]] || die "$name is set but DDTREE_DRAFTER is not"
     done
     echo "entrypoint: no DDTREE_DRAFTER or SPECULATIVE_CONFIG: serving without speculative decoding" >&2

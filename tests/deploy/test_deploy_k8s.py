@@ -131,6 +131,8 @@ def test_entrypoint_accepts_the_rendered_configuration(name, tmp_path):
     argv = shlex.split(result.stdout)
     config = json.loads(argv[argv.index("--speculative-config") + 1])
     assert config["method"] == "ddtree" and config["num_speculative_tokens"] == int(env["DDTREE_BUDGET"])
+    if env.get("DDTREE_TOKENS_PER_STEP"):
+        assert config["ddtree_tokens_per_step"] == int(env["DDTREE_TOKENS_PER_STEP"])
     tp = int(argv[argv.index("--tensor-parallel-size") + 1])
     specs = pod_specs(name)
     per_pod = int(next(iter(specs.values()))["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
