@@ -80,7 +80,11 @@ def jit(fn: Callable[..., Any]) -> Any:
 # on the GPU host; it was written after session 4's device time was spent.
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
 
-_I32 = (-(2**31), 2**31)
+def _int_width(v: int) -> str:
+    """The integer type Triton gives a Python int argument."""
+    if -(2**31) <= v < 2**31:
+        return "i32"
+    return "i64" if -(2**63) <= v < 2**63 else "u64"
 
 
 def direct_launch_enabled() -> bool:
@@ -106,7 +110,7 @@ def specialization_key(args: tuple, kwargs: dict) -> tuple | None:
         elif a is True or a is False:
             key.append(("u1", a))
         elif type(a) is int:
-            key.append(("i", _I32[0] <= a < _I32[1], a == 1, a % 16 == 0))
+            key.append((_int_width(a), a == 1, a % 16 == 0))
         elif type(a) is float:
             key.append(("f",))
         else:

@@ -66,6 +66,7 @@ def test_key_separates_what_triton_specialises_on():
     assert base != key((x, 1, True), {"BLOCK": 16})  # == 1
     assert base != key((x, 32, True), {"BLOCK": 16})  # % 16
     assert base != key((x, 2**31 + 3, True), {"BLOCK": 16})  # int width
+    assert key((x, 2**31 + 3, True), {}) != key((x, 2**63 + 3, True), {})  # i64 vs u64
     assert base != key((x, 5, False), {"BLOCK": 16})  # bool value
     assert base != key((x, 5, True), {"BLOCK": 32})  # constexpr value
     assert base != key((x, 5, True), {"BLOCK": 16, "num_warps": 1})  # option
