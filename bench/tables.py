@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Markdown tables of a ``bench/run.py`` result, as docs/benchmarks.md shows them.
+
+One table per (prompt set, temperature): output tokens/s (tau) of every configuration
+by batch size, then DDTree's tokens/s divided by the better of the chain
+configurations in each cell and by no speculation's, and DDTree's verified tokens per
+target forward.
+
+    python bench/tables.py bench/results/bench-fixture-mp-t512.json \
+        --ddtree ddtree-b64-t512 --chains dflash dflash-t512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _fmt_cell(row: dict) -> str:
+    tps = f"{row['output_tokens_per_s']:.0f}"
+    return f"{tps} ({row['tau']:.2f})" if row.get("tau") else tps
+
+
+def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "no-spec") -> str:
+    """The tables for one result document (``bench/run.py --out``). Cells a run did not
+    measure are shown as "-" and left out of the ratios."""
+    cells = {(r["config"], r["prompt_set"], float(r["temperature"]), int(r["batch_size"])): r
+             for r in doc.get("results", []) if "output_tokens_per_s" in r}
+    if not cells:
+        raise ValueError("no measured cells in this result")
+    configs = list(dict.fromkeys(c for c, *_ in cells))
+    for name in [ddtree, *chains]:
+        if name not in configs:
+            raise ValueError(f"config {name!r} is not in this result (it has {configs})")
+    batches = sorted({b for *_, b in cells})
+    out: list[str] = []
+    for pset in dict.fromkeys(p for _, p, _, _ in cells):
+        for temp in sorted({t for _, p, t, _ in cells if p == pset}):
+            out += [f"**{pset}, T={temp:g}**", "",
+                    "| config | " + " | ".join(f"batch {b}" for b in batches) + " |",
+                    "|---|" + "---|" * len(batches)]
+            for cfg in configs:
+                row = [_fmt_cell(cells[(cfg, pset, temp, b)]) if (cfg, pset, temp, b) in cells
+                       else "-" for b in batches]
+                out.append(f"| {cfg} | " + " | ".join(row) + " |")
+            vs_chain, vs_base, verified = [], [], []
+            for b in batches:
+                tree = cells.get((ddtree, pset, temp, b))
+                chain_tps = [cells[(c, pset, temp, b)]["output_tokens_per_s"] for c in chains
+                             if (c, pset, temp, b) in cells]
+                base = cells.get((baseline, pset, temp, b))
+                vs_chain.append(f"{tree['output_tokens_per_s'] / max(chain_tps):.2f}"
+                                if tree and chain_tps else "-")
+                vs_base.append(f"{tree['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}"
+                               if tree and base else "-")
+                vt = tree.get("verified_tokens_per_forward") if tree else None
+                verified.append(f"{vt:.0f}" if vt else "-")
+            label = "better chain" if len(chains) > 1 else "chain"
+            out.append(f"| DDTree / {label} | " + " | ".join(vs_chain) + " |")
+            if baseline in configs:
+                out.append(f"| DDTree / {baseline} | " + " | ".join(vs_base) + " |")
+            out.append("| DDTree verified tokens per forward | " + " | ".join(verified) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("result", help="a bench/run.py result JSON")
+    ap.add_argument("--ddtree", required=True, help="the DDTree configuration to compare")
+    ap.add_argument("--chains", nargs="+", default=["dflash"],
+                    help="chain configurations; ratios use the best of them per cell")
+    ap.add_argument("--baseline", default="no-spec")
+    args = ap.parse_args(argv)
+    with open(args.result) as f:
+        doc = json.load(f)
+    try:
+        print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))
+    except ValueError as exc:
+        print(f"tables: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
