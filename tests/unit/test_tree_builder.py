@@ -121,6 +121,23 @@ def test_fast_backends_match_reference(triton_device, R, D, V, B, top_k, kind):
     assert (_build_tree_kernel, interp) in _triton._JIT_CACHE
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_request_tree_depends_only_on_its_own_logits(triton_device, backend):
+    """What tensor parallelism relies on (every rank builds the tree from the same
+    replicated drafter logits, docs/design.md): a request's tree is a function of its
+    own logits only, bitwise: not of its batch row, the other requests, or the call."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 5, 300, generator=gen).to(triton_device)
+    logits[2, :, :10] = 3.0  # ties at the top of every position of request 2
+    full = build_trees(logits, 24, 8, backend=backend)
+    again = build_trees(logits.clone(), 24, 8, backend=backend)
+    sub = build_trees(logits[[3, 2]].contiguous(), 24, 8, backend=backend)
+    for a, b in zip(full, again):
+        assert torch.equal(a, b)
+    for a, b in zip(full, sub):
+        assert torch.equal(a[[3, 2]], b)
+
+
 def test_capacity_padding():
     # V = 2, D = 2 holds 2 + 4 = 6 nodes; the other 4 are padding.
     logits = torch.tensor([[[0.0, 1.0], [2.0, 0.5]]])
