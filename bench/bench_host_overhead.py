@@ -5,8 +5,8 @@ At batch 1 on the benchmark pair the GPU idles ~85 % of a step (bench/results/pr
 the host's work sets the pace. This times what our wrappers cost the host per call:
 argument checks, small tensor ops, allocation, and the Triton launch path up to the
 launcher. The kernels themselves are replaced by a no-op, so it runs on any machine
-(CPU tensors; Triton's launcher, ~20-40 us per launch on the GPU host, is not
-included) and isolates the part of the host time we control.
+(CPU tensors; Triton's launch, 15-31 us per call on the GPU host by
+``--device cuda``, is not included) and isolates the part of the host time we control.
 
     python bench/bench_host_overhead.py [--batch-sizes 1 16 64] [--iters 2000]
 
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                 x["rows"], x["linear"]),
             "store_trees_by_state": lambda: store_trees_by_state_(
                 trees, x["idx"], x["tokens"], x["parents"], x["depths"], x["valid"]),
+            # As the speculator copied them before store_trees_by_state_ (int32 index;
+            # the reference adds a .long(), which this measurement must not).
             "store_trees_four_index_put": lambda: (
                 x["tokens"].__setitem__(x["idx"], trees.node_tokens[:batch]),
                 x["parents"].__setitem__(x["idx"], trees.node_parents[:batch]),

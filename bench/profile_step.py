@@ -135,28 +135,25 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
     plus per Python function (``python_function`` events, nested per thread) its own
     and inclusive time, the CUDA runtime calls per step, and which Python functions
     issued the calls that can block on the GPU (synchronisations, copies)."""
+    def add(table: dict, key: str, us: float) -> None:
+        agg = table.setdefault(key, [0.0, 0])
+        agg[0] += us
+        agg[1] += 1
+
     events = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     kernels: list[tuple[float, float]] = []
     by_kernel: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            kernels.append((e["ts"], e["ts"] + e["dur"]))
-            agg = by_kernel.setdefault(e["name"], [0.0, 0])
-            agg[0] += e["dur"]
-            agg[1] += 1
     own: dict[str, list[float]] = {}
     inclusive: dict[str, list[float]] = {}
     runtime: dict[str, list[float]] = {}
     blocking: dict[str, list[float]] = {}
     threads: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("cat") in ("python_function", "cuda_runtime"):
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append((e["ts"], e["ts"] + e["dur"]))
+            add(by_kernel, e["name"], e["dur"])
+        elif e.get("cat") in ("python_function", "cuda_runtime"):
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-
-    def add(table: dict, key: str, us: float) -> None:
-        agg = table.setdefault(key, [0.0, 0])
-        agg[0] += us
-        agg[1] += 1
 
     for evs in threads.values():
         # Outer before inner at equal start; runtime calls are leaves.
@@ -200,6 +197,13 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
         "cuda_runtime_per_step": ranked(runtime, "us_per_step", 80),
         "blocking_runtime_calls_by_caller": ranked(blocking, "us_per_step", 200),
     }
+
+
+def load_trace(path: str) -> dict:
+    """A Chrome trace as written by torch.profiler (``.json`` or ``.json.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
 
 
 def cprofile_text(prof: cProfile.Profile, top: int = 45) -> str:
@@ -308,9 +312,7 @@ def profile_config_mp(args, name: str, prompts) -> dict:
     if traces:
         time.sleep(2)
         path = max(traces, key=os.path.getsize)
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            rec["torch_profile"] = summarize_chrome_trace(json.load(f), steps)
+        rec["torch_profile"] = summarize_chrome_trace(load_trace(path), steps)
         if args.trace:
             shutil.copy(path, os.path.join(args.out_dir, f"profile-{name}-trace.json.gz"
                                            if path.endswith(".gz") else f"profile-{name}-trace.json"))
@@ -347,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.steps or args.steps < 1:
             raise SystemExit("--summarize-trace needs --steps >= 1")
         os.makedirs(args.out_dir, exist_ok=True)
-        opener = gzip.open if args.summarize_trace.endswith(".gz") else open
-        with opener(args.summarize_trace, "rt") as f:
-            summary = summarize_chrome_trace(json.load(f), args.steps, top=10_000)
+        summary = summarize_chrome_trace(load_trace(args.summarize_trace), args.steps, top=10_000)
         name = os.path.basename(args.summarize_trace).split(".")[0]
         summary.update(trace=os.path.basename(args.summarize_trace), steps=args.steps)
         with open(os.path.join(args.out_dir, f"kernels-{name}.json"), "w") as f:

@@ -438,19 +438,19 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if suite.dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
+    # Set only while the engine starts (a separate engine process inherits them then).
+    engine_env = dict(cfg.env)
     profile = None
     if args.profile_dir and cfg.method == "ddtree":
-        # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile); the engine
-        # core reads this variable (a separate engine process inherits it at start).
+        # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile).
         os.makedirs(args.profile_dir, exist_ok=True)
         profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{cfg.name}.json")
-        os.environ["VLLM_DDTREE_PROFILE"] = profile
-    saved = {k: os.environ.get(k) for k, _ in cfg.env}
-    os.environ.update(dict(cfg.env))
+        engine_env["VLLM_DDTREE_PROFILE"] = profile
+    saved = {k: os.environ.get(k) for k in engine_env}
+    os.environ.update(engine_env)
     try:
         return LLM(**kw), profile
     finally:
-        os.environ.pop("VLLM_DDTREE_PROFILE", None)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

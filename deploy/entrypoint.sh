@@ -59,7 +59,10 @@ fi
 [[ -n ${MODEL:-} ]] || die "MODEL is not set: give the target model's directory (or hub id)"
 require_existing_path MODEL
 
-for name in DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
+# The settings that shape the DDTree speculative config besides DDTREE_DRAFTER.
+ddtree_settings=(DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP)
+
+for name in "${ddtree_settings[@]}" TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
     require_positive_int "$name"
 done
 if [[ -n ${DDTREE_TOKENS_PER_STEP:-} ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
@@ -84,7 +87,7 @@ esac
 # The speculative config: either built from DDTREE_* or taken verbatim from SPECULATIVE_CONFIG.
 speculative_config=""
 if [[ -n ${SPECULATIVE_CONFIG:-} ]]; then
-    for name in DDTREE_DRAFTER DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP; do
+    for name in DDTREE_DRAFTER "${ddtree_settings[@]}"; do
         [[ -z ${!name:-} ]] || die "set either SPECULATIVE_CONFIG or $name, not both"
     done
     speculative_config=$(python3 -c '
@@ -112,7 +115,7 @@ if os.environ.get("DDTREE_TOKENS_PER_STEP"):
 print(json.dumps(config))
 ')
 else
-    for name in DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP; do
+    for name in "${ddtree_settings[@]}"; do
         [[ -z ${!name:-} ]] || die "$name is set but DDTREE_DRAFTER is not"
     done
     echo "entrypoint: no DDTREE_DRAFTER or SPECULATIVE_CONFIG: serving without speculative decoding" >&2

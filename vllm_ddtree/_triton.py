@@ -80,15 +80,16 @@ def jit(fn: Callable[..., Any]) -> Any:
 # on the GPU host; it was written after session 4's device time was spent.
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
 
+
+def direct_launch_enabled() -> bool:
+    return os.environ.get(DIRECT_LAUNCH_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _int_width(v: int) -> str:
     """The integer type Triton gives a Python int argument."""
     if -(2**31) <= v < 2**31:
         return "i32"
     return "i64" if -(2**63) <= v < 2**63 else "u64"
-
-
-def direct_launch_enabled() -> bool:
-    return os.environ.get(DIRECT_LAUNCH_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def specialization_key(args: tuple, kwargs: dict) -> tuple | None:
@@ -205,7 +206,8 @@ class DirectLauncher:
                      None, None, *args, *tail)
 
 
-_LAUNCHERS: dict[tuple[Callable[..., Any], bool], Any] = {}
+# Direct launchers exist only for compiled kernels (never under the interpreter).
+_LAUNCHERS: dict[Callable[..., Any], DirectLauncher] = {}
 
 
 def launcher(fn: Callable[..., Any]) -> Any:
@@ -214,10 +216,9 @@ def launcher(fn: Callable[..., Any]) -> Any:
     the interpreter) the jitted kernel itself."""
     if triton_interpreting() or not direct_launch_enabled():
         return jit(fn)
-    key = (fn, True)
-    hit = _LAUNCHERS.get(key)
+    hit = _LAUNCHERS.get(fn)
     if hit is None:
-        hit = _LAUNCHERS[key] = DirectLauncher(jit(fn))
+        hit = _LAUNCHERS[fn] = DirectLauncher(jit(fn))
     return hit
 
 
