@@ -82,6 +82,10 @@ def _engine(target, spec, eager, dummy, dtype, **kw):
 def _free(llm):
     import torch
 
+    # Shut the engine core down explicitly: with tensor parallelism its worker
+    # processes otherwise outlive `del llm` and keep their GPU memory (the next
+    # engine then fails in cublasCreate, seen in the first TP run).
+    llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -257,6 +261,11 @@ def run_equiv_real(args) -> dict:
     def record(entry):
         results["runs"].append(entry)
         print(json.dumps(entry), flush=True)
+        # Written after every entry: a run stopped by its timeout keeps what it measured
+        # (main() rewrites the file, with the command, when the run completes).
+        with open(args.out, "w") as f:
+            json.dump(dict(results, complete=False, command=" ".join(sys.argv)), f, indent=2,
+                      default=str)
 
     base = _engine(target, None, eager, False, args.dtype)
     ref = {}
@@ -360,6 +369,7 @@ def main() -> None:
     run = {"smoke": run_smoke, "equiv": run_equiv, "equiv-real": run_equiv_real}[args.mode]
     result = run(args)
     result["command"] = " ".join(sys.argv)
+    result["complete"] = True
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, default=str)
     print(json.dumps(result, indent=2, default=str))

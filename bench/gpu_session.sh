@@ -20,9 +20,11 @@
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
-#   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs)
+#   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs,
+#                                      # tiny random Qwen3 pair: SmolLM2 has 9 heads)
 #   bash bench/gpu_session.sh exact    # greedy equivalence with vLLM's batch-invariant kernels
-#                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, float32 and bf16,
+#                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, EXACT_DTYPES
+#                                      # (float32; "float32 bfloat16" splits the time),
 #                                      # with the no-speculation batch-shape control
 #   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, host cost per
 #                                      # wrapper, engines with and without it (batch 1, 4)
@@ -60,9 +62,9 @@ FUSED_TESTS="tests/unit/test_tree_walk_fused.py tests/unit/test_tree_bias_fused.
   tests/unit/test_tree_store_fused.py tests/unit/test_speculator_compaction.py
   tests/unit/test_tree_sampler.py"
 
-# The fused kernels' GPU tests; a failure switches later steps to the unfused paths.
-# Then the same tests again through the direct launcher (VLLM_DDTREE_DIRECT_LAUNCH=1,
-# opt-in): its result is reported, and decides nothing for later steps.
+# The fused kernels' GPU tests (through the direct launcher, the default); a failure
+# switches later steps to the unfused paths. Then the same tests again through Triton's
+# own launch path (VLLM_DDTREE_DIRECT_LAUNCH=0): reported, deciding nothing later.
 fused_tests() {
   # shellcheck disable=SC2086  # FUSED_TESTS is a list of paths
   if timeout 150 python3 -m pytest -q -x -p no:cacheprovider $FUSED_TESTS > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
@@ -73,9 +75,9 @@ fused_tests() {
   tail -3 "$OUT/gpu-fused-kernel-tests.log"
   VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
   # shellcheck disable=SC2086
-  VLLM_DDTREE_DIRECT_LAUNCH=1 timeout 150 python3 -m pytest -q -p no:cacheprovider $FUSED_TESTS \
-    tests/unit/test_direct_launch.py > "$OUT/gpu-direct-launch-tests.log" 2>&1
-  echo "direct-launch tests rc=$?"; tail -2 "$OUT/gpu-direct-launch-tests.log"
+  VLLM_DDTREE_DIRECT_LAUNCH=0 timeout 150 python3 -m pytest -q -p no:cacheprovider $FUSED_TESTS \
+    tests/unit/test_direct_launch.py > "$OUT/gpu-triton-launch-tests.log" 2>&1
+  echo "triton-launch tests rc=$?"; tail -2 "$OUT/gpu-triton-launch-tests.log"
 }
 
 # The device tool returns at most 8 files per call: leave the JSON results loose and
@@ -162,16 +164,23 @@ case "$step" in
     echo "control rc=$?"; grep '^{\|failed' "$OUT/bench-control.log" | cut -c1-300
     ;;
   tp)
-    prepare
-    DDTREE_CHECK_TP=2 timeout 560 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
-      --data "$DATA" --out "$OUT/gpu-equiv-real-tp2.json" --dtype float32 --num-prompts 16 \
-      --max-tokens 64 --budgets 32 --batch-sizes 1 16 > "$OUT/gpu-equiv-real-tp2.log" 2>&1
-    echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-real-tp2.log" | cut -c1-400
+    # SmolLM2-135M has 9 attention heads (not divisible by 2): tensor parallelism is
+    # checked on the tiny random Qwen3 pair (4 heads, 2 KV heads; dummy weights,
+    # float32), eager and with CUDA graphs, batch 1 and 16, against TP=2 without
+    # speculation. Diverging trees on the two ranks would hang or break the match.
+    apply_series
+    DDTREE_CHECK_TP=2 timeout 560 python3 bench/gpu_checks.py equiv --out "$OUT/gpu-equiv-tiny-tp2.json" \
+      --dtype float32 --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 \
+      --eager-modes eager graphs > "$OUT/gpu-equiv-tiny-tp2.log" 2>&1
+    echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-tiny-tp2.log" | cut -c1-400
     ;;
   exact)
     prepare
-    for dt in float32 bfloat16; do
-      VLLM_BATCH_INVARIANT=1 timeout 285 python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
+    # One dtype per device call by default: in session 5 a float32 engine took 99 s to
+    # start in this mode (76 s of compilation) and both dtypes ran past 285 s each.
+    read -r -a dtypes <<< "${EXACT_DTYPES:-float32}"
+    for dt in "${dtypes[@]}"; do
+      VLLM_BATCH_INVARIANT=1 timeout $((560 / ${#dtypes[@]})) python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
         --drafter "$DRAFTER" --data "$DATA" --out "$OUT/gpu-equiv-real-$dt-graphs-batch-invariant.json" \
         --dtype "$dt" --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 --eager-modes graphs \
         --variants no-spec-batch-shape ddtree-async ddtree-preempt dflash-chain \
@@ -180,16 +189,16 @@ case "$step" in
     done
     ;;
   launch)
-    # The direct Triton launcher (VLLM_DDTREE_DIRECT_LAUNCH): its GPU tests, the host
-    # cost of every wrapper with and without it, and engines with and without it side
-    # by side at batch 1 and 4 (twice the usual requests per cell against the noise).
+    # The direct Triton launcher (VLLM_DDTREE_DIRECT_LAUNCH, default on): GPU tests both
+    # ways, the host cost of every wrapper with and without it, and engines with and
+    # without it side by side at batch 1 and 4 (twice the usual requests per cell).
     prepare
     fused_tests
     timeout 60 python3 bench/bench_host_overhead.py --device cuda --batch-sizes 1 16 --iters 1000 \
       > "$OUT/host-overhead-gpu-direct.txt" 2>&1
     echo "host overhead rc=$?"
     timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-direct-launch.json" --configs ddtree-b64-t512 ddtree-b64-t512+direct dflash \
+      --out "$OUT/bench-direct-launch.json" --configs ddtree-b64-t512+tritonlaunch ddtree-b64-t512 dflash \
       --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75 \
       > "$OUT/bench-direct-launch.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-direct-launch.log" | cut -c1-300

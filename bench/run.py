@@ -90,8 +90,10 @@ class BenchConfig:
 
 
 # Name suffixes that set an engine environment variable, so that two engines differing
-# only in it can be measured side by side (e.g. ddtree-b64-t512 ddtree-b64-t512+direct).
-CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1")}
+# only in it can be measured side by side (e.g. ddtree-b64-t512 ddtree-b64-t512+tritonlaunch;
+# the direct launcher is on by default since session 5, "+direct" names it explicitly).
+CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
+                "tritonlaunch": ("VLLM_DDTREE_DIRECT_LAUNCH", "0")}
 
 
 def parse_config(name: str) -> BenchConfig:

@@ -12,6 +12,7 @@ a placeholder when no GPU driver is active, which would hide the interpreter.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable
 
@@ -73,16 +74,17 @@ def jit(fn: Callable[..., Any]) -> Any:
     return kernel
 
 
-# "1" launches our per-step kernels through the compiled kernel's launcher once Triton
-# has compiled them for a call's specialisation (:class:`DirectLauncher`). Off by
-# default until its GPU tests (tests/unit/test_direct_launch.py and the fused-kernel
-# tests, run with it on by `bench/gpu_session.sh checks`) and an engine run have passed
-# on the GPU host; it was written after session 4's device time was spent.
+# Our per-step kernels launch through the compiled kernel's launcher once Triton has
+# compiled them for a call's specialisation (:class:`DirectLauncher`); "0" keeps
+# Triton's own launch path. On by default since session 5: the fused-kernel GPU tests
+# pass through it (bench/results/gpu-direct-launch-tests.log) and engines with and
+# without it accept identically (bench/results/bench-direct-launch.json).
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
+logger = logging.getLogger("vllm.ddtree")
 
 
 def direct_launch_enabled() -> bool:
-    return os.environ.get(DIRECT_LAUNCH_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+    return os.environ.get(DIRECT_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _int_width(v: int) -> str:
@@ -202,8 +204,17 @@ class DirectLauncher:
         compiled, tail = hit
         g = tuple(grid) + (1, 1)
         stream = _current_stream(device)
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *tail)
+        try:
+            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *tail)
+        except TypeError as exc:
+            # A Triton whose compiled launcher takes other arguments than 3.6's (the
+            # call is refused before anything is launched): Triton's path from now on.
+            logger.warning("ddtree: direct Triton launch of %s refused (%s); using Triton's "
+                           "launch path for it", getattr(self.kernel, "__name__", self.kernel), exc)
+            self.params = []
+            self.cache.clear()
+            self.kernel[grid](*args, **kwargs)
 
 
 # Direct launchers exist only for compiled kernels (never under the interpreter).
@@ -212,7 +223,7 @@ _LAUNCHERS: dict[Callable[..., Any], DirectLauncher] = {}
 
 def launcher(fn: Callable[..., Any]) -> Any:
     """What to index with a grid to launch ``fn``: a :class:`DirectLauncher` around
-    :func:`jit` (``fn``) with ``VLLM_DDTREE_DIRECT_LAUNCH=1``, else (and always under
+    :func:`jit` (``fn``) unless ``VLLM_DDTREE_DIRECT_LAUNCH=0``, else (and always under
     the interpreter) the jitted kernel itself."""
     if triton_interpreting() or not direct_launch_enabled():
         return jit(fn)

@@ -34,6 +34,7 @@ def test_a_config_flag_sets_engine_environment_only():
     assert direct.name == "ddtree-b64-t512+direct" and plain.env == ()
     assert direct.env == (("VLLM_DDTREE_DIRECT_LAUNCH", "1"),)
     assert direct.speculative_config("d") == plain.speculative_config("d")
+    assert parse_config("ddtree-b32+tritonlaunch").env == (("VLLM_DDTREE_DIRECT_LAUNCH", "0"),)
     with pytest.raises(ValueError, match="flags"):
         parse_config("ddtree-b32+turbo")
 

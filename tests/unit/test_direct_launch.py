@@ -107,6 +107,24 @@ def test_new_specialisation_or_hooks_take_tritons_path(fake_driver, monkeypatch)
     assert len(k.slow_calls) == 4 and len(k.compiled.calls) == 1
 
 
+class _RefusingCompiled(FakeCompiled):
+    def run(self, *a):  # a Triton whose launcher takes other arguments
+        raise TypeError("run() takes 12 positional arguments")
+
+
+def test_a_refused_direct_launch_falls_back_to_tritons_path_for_good(fake_driver, caplog):
+    k = FakeKernel(_kernel)
+    k.compiled = _RefusingCompiled()
+    launch = _triton.DirectLauncher(k)
+    x = torch.zeros(4)
+    launch[(1,)](x, 5, True, BLOCK=16)
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        launch[(1,)](x, 5, True, BLOCK=16)  # direct call refused: relaunched by Triton
+    assert len(k.slow_calls) == 2 and "refused" in caplog.text
+    launch[(1,)](x, 5, True, BLOCK=16)  # never tries the direct call again
+    assert len(k.slow_calls) == 3 and launch.cache == {}
+
+
 def test_missing_parameter_is_never_cached(fake_driver):
     k = FakeKernel(_kernel)
     launch = _triton.DirectLauncher(k)
@@ -125,13 +143,13 @@ def test_hooks_count_only_when_they_would_run():
     assert _triton._has_hooks(chain) and _triton._has_hooks(print)
 
 
-def test_launcher_is_plain_jit_under_the_interpreter_or_unless_enabled(monkeypatch):
+def test_launcher_is_plain_jit_under_the_interpreter_or_when_switched_off(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv(_triton.DIRECT_LAUNCH_ENV)
-    assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)  # off by default
+    assert isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)  # on by default
     monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "0")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
     monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
