@@ -23,10 +23,14 @@ process this script started and writes what it has if the budget is overrun):
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
 6. ``offline``: after the server is stopped, the same prompts (the server's prompt
-   token ids) through ``vllm.LLM`` without speculation; greedy outputs compared token
-   for token. This runs in a child process of this script (``--offline-worker``) so
-   that its wait is bounded and the parent never initialises CUDA; a mismatch is
-   reported, and is a failure only with ``--strict-greedy``.
+   token ids) through ``vllm.LLM``, greedy outputs compared token for token with the
+   server's, against two references (``--offline-references``): ``no-spec``, decoding
+   without speculation (DDTree is lossless, so only rounding may separate them), and
+   ``same-config``, the server's own DDTree configuration offline with all prompts at
+   once (what the server adds: scheduling under load, streaming, HTTP). Each runs in a
+   child process of this script (``--offline-worker``) so that its wait is bounded and
+   the parent never initialises CUDA; a mismatch is reported, and is a failure only
+   with ``--strict-greedy``.
 
 Everything goes to ``--out`` (JSON); server output goes to ``--log-dir``. Exit status:
 0 when every hard check passed, 1 otherwise, 2 when the watchdog fired.
@@ -342,6 +346,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-bad-configs", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--offline-timeout", type=float, default=240.0)
+    p.add_argument("--offline-references", nargs="+", choices=OFFLINE_REFERENCES,
+                   default=list(OFFLINE_REFERENCES),
+                   help="offline greedy references to compare the server with (default: both)")
+    p.add_argument("--offline-cmd", default=None,
+                   help="command prefix replacing `python serve_e2e.py --offline-worker` "
+                        "(shell words; tests point it at a fake worker)")
     p.add_argument("--server-cmd", default=None,
                    help="command prefix replacing `python -m vllm.entrypoints.cli.main` "
                         "(shell words; tests point it at a fake server)")
@@ -362,6 +372,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.log_dir is None:
         args.log_dir = os.path.dirname(os.path.abspath(args.out))
     return args
+
+
+# Offline greedy references (phase 6): where each one's result goes in the JSON.
+OFFLINE_REFERENCES = ("no-spec", "same-config")
+OFFLINE_RESULT_KEYS = {"no-spec": "greedy", "same-config": "greedy_same_config"}
 
 
 def speculative_config(drafter: str, budget: int, **extra) -> dict:
@@ -889,7 +904,8 @@ def run_load(run: Run, base: str) -> list[dict]:
 
 # --------------------------------------------------------------------------- offline reference
 def offline_worker(spec_path: str, out_path: str) -> int:
-    """Child mode: greedy generation without speculation, same engine settings."""
+    """Child mode: greedy generation with the server's engine settings, without
+    speculation or with the spec's ``speculative_config`` (the server's)."""
     os.environ.update(SERVER_ENV)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with open(spec_path) as f:
@@ -902,10 +918,13 @@ def offline_worker(spec_path: str, out_path: str) -> int:
         # The DDTree server verifies on TRITON_ATTN; the same backend here makes the
         # greedy comparison free of backend rounding differences.
         extra["attention_config"] = {"backend": spec["attention_backend"]}
+    if spec.get("speculative_config"):
+        extra["speculative_config"] = spec["speculative_config"]
     llm = LLM(model=spec["target"], enforce_eager=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
               max_model_len=spec["max_model_len"], seed=0, dtype=spec.get("dtype", "auto"),
-              **extra)
+              max_num_seqs=spec.get("max_num_seqs", 64),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **extra)
     init_s = time.monotonic() - t0
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in spec["prompts"]]
     sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -919,27 +938,50 @@ def offline_worker(spec_path: str, out_path: str) -> int:
     return 0
 
 
+def offline_command(args: argparse.Namespace, spec_path: str, out_path: str) -> list[str]:
+    prefix = (shlex.split(args.offline_cmd) if args.offline_cmd
+              else [sys.executable, os.path.abspath(__file__), "--offline-worker"])
+    return prefix + [spec_path, out_path]
+
+
 def run_offline(run: Run, load: list[dict]) -> None:
+    for reference in run.args.offline_references:
+        run_offline_reference(run, load, reference)
+
+
+def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
+    """Phase 6 for one reference: generate offline in a child process, compare."""
     args = run.args
+    key = OFFLINE_RESULT_KEYS[reference]
     usable = [r for r in load if not r["error"]]
     if not usable:
-        run.result["greedy"] = {"skipped": "no successful load requests"}
+        run.result[key] = {"reference": reference, "skipped": "no successful load requests"}
         return
     left = run.deadline.left() - 5
     if left < 30:
-        run.result["greedy"] = {"skipped": f"only {left:.0f} s of the time budget left"}
-        print("offline reference skipped: time budget spent", flush=True)
+        run.result[key] = {"reference": reference,
+                           "skipped": f"only {left:.0f} s of the time budget left"}
+        print(f"offline reference {reference} skipped: time budget spent", flush=True)
         return
-    spec = {"target": args.target, "gpu_memory_utilization": args.gpu_memory_utilization,
+    spec = {"reference": reference, "target": args.target,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
+            "max_num_seqs": 64, "max_num_batched_tokens": 8192,
             "dtype": args.dtype, "attention_backend": args.reference_attention_backend,
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
-    spec_path = os.path.join(args.log_dir, "offline-spec.json")
-    out_path = os.path.join(args.log_dir, "offline-out.json")
-    log_path = os.path.join(args.log_dir, "offline.log")
+    if reference == "same-config":
+        # The server's speculative config; DDTree picks its attention backend itself.
+        spec["speculative_config"] = run.result["server"]["speculative_config"]
+        spec["attention_backend"] = None
+    stem = "offline" if reference == "no-spec" else f"offline-{reference}"
+    spec_path = os.path.join(args.log_dir, f"{stem}-spec.json")
+    out_path = os.path.join(args.log_dir, f"{stem}-out.json")
+    log_path = os.path.join(args.log_dir, f"{stem}.log")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, os.path.abspath(__file__), "--offline-worker", spec_path, out_path]
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    cmd = offline_command(args, spec_path, out_path)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         proc = run.procs.start(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -948,31 +990,35 @@ def run_offline(run: Run, load: list[dict]) -> None:
         except subprocess.TimeoutExpired:
             pass
         stop = run.procs.stop(proc, term_wait=10)
-    info: dict = {"seconds": round(time.monotonic() - t0, 1), "returncode": proc.returncode,
-                  "log": log_path, "prompts_as_token_ids": all(r["prompt_token_ids"] for r in usable)}
+    info: dict = {"reference": reference, "seconds": round(time.monotonic() - t0, 1),
+                  "returncode": proc.returncode, "log": log_path,
+                  "prompts_as_token_ids": all(r["prompt_token_ids"] for r in usable)}
     if proc.returncode != 0 or not os.path.exists(out_path):
-        info.update(error="offline reference did not finish", log_tail=tail(log_path), stop=stop)
-        run.result["greedy"] = info
-        run.check("greedy", "offline_reference_ran", False, message=info["error"])
+        info.update(error=f"offline reference {reference} did not finish",
+                    log_tail=tail(log_path), stop=stop)
+        run.result[key] = info
+        run.check("greedy", f"offline_{reference}_ran", False, message=info["error"])
         return
     with open(out_path) as f:
         offline = json.load(f)
     server_ids = [r["token_ids"] for r in usable]
     cmp = compare_greedy(server_ids, offline["token_ids"])
     texts_same = sum(r["text"] == t for r, t in zip(usable, offline["texts"]))
-    info.update(cmp, init_s=offline["init_s"], generate_s=offline["generate_s"],
+    info.update(cmp, init_s=offline.get("init_s"), generate_s=offline.get("generate_s"),
                 identical_texts=texts_same,
-                note="bf16 batched kernels may flip a near-tie argmax; mismatches are "
-                     "reported, and fail the run only with --strict-greedy")
+                note="batched kernels may round differently and flip a near-tie argmax; "
+                     "mismatches are reported, and fail the run only with --strict-greedy")
     if cmp["first_difference"]:
         i = cmp["first_difference"]["request"]
         cmp["first_difference"].update(prompt=usable[i]["prompt"][:200],
                                        server_text=usable[i]["text"][:300],
                                        offline_text=offline["texts"][i][:300])
-    run.result["greedy"] = info
-    print(f"greedy: {cmp['identical']}/{cmp['total']} identical token sequences", flush=True)
+    run.result[key] = info
+    print(f"greedy vs offline {reference}: {cmp['identical']}/{cmp['total']} identical "
+          "token sequences", flush=True)
     if args.strict_greedy:
-        run.check("greedy", "identical_to_no_spec", cmp["all_identical"],
+        name = "identical_to_no_spec" if reference == "no-spec" else "identical_to_offline_same_config"
+        run.check("greedy", name, cmp["all_identical"],
                   message=f"{cmp['identical']}/{cmp['total']} identical")
 
 
@@ -1079,10 +1125,12 @@ def print_summary(result: dict) -> None:
         print(f"load: {load.get('num_requests')} req, errors={load.get('errors')}, "
               f"{load.get('output_tokens_per_s')} tok/s, p50={load['latency'].get('p50_s')} s, "
               f"p99={load['latency'].get('p99_s')} s")
-    greedy = result.get("greedy") or {}
-    if greedy:
-        print("greedy vs no-spec: " + (greedy.get("skipped") or greedy.get("error") or
-                                       f"{greedy.get('identical')}/{greedy.get('total')} identical"))
+    for reference, key in OFFLINE_RESULT_KEYS.items():
+        greedy = result.get(key) or {}
+        if greedy:
+            print(f"greedy vs offline {reference}: " + (
+                greedy.get("skipped") or greedy.get("error") or
+                f"{greedy.get('identical')}/{greedy.get('total')} identical"))
     print(f"timings: {result.get('timings')}")
     print("PASSED" if result.get("passed") else f"FAILED: {result.get('failures')}")
 

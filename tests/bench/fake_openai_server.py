@@ -31,6 +31,12 @@ def tokens_for(prompt: str, n: int) -> list[int]:
     return [(seed + 7 * i) % 1000 for i in range(n)]
 
 
+def completion_for(prompt_ids: list[int], n: int) -> list[int]:
+    """The fake's greedy continuation: a function of the prompt's token ids, so that
+    tests/bench/fake_offline_worker.py (which sees only the ids) can reproduce it."""
+    return tokens_for(json.dumps(prompt_ids), n)
+
+
 def text_of(ids) -> str:
     return "".join(f" t{i}" for i in ids)
 
@@ -85,8 +91,8 @@ async def completions(request):
     if err:
         return err
     n = body.get("max_tokens") or 16
-    ids = tokens_for(body["prompt"], n)
     prompt_ids = tokens_for("p" + body["prompt"], 5)
+    ids = completion_for(prompt_ids, n)
     COUNTERS["drafts"] += 1 + n // 4
     COUNTERS["accepted"] += n
     if not body.get("stream"):

@@ -27,6 +27,7 @@ from bench import serve_e2e as E  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(REPO, "bench", "serve_e2e.py")
 FAKE = os.path.join(HERE, "fake_openai_server.py")
+FAKE_OFFLINE = os.path.join(HERE, "fake_offline_worker.py")
 DRAFTER = os.path.join(REPO, "bench", "fixture", "smollm2-dflash")
 
 LLAMA_135M = dict(
@@ -192,12 +193,14 @@ def test_bad_config_needles_match_vllm_ddtree_messages():
 
 
 # ----------------------------------------------------------------------------- whole flow
-def _run_script(tmp_path, *extra, mode="", timeout=90, env_extra=None):
+def _run_script(tmp_path, *extra, mode="", timeout=90, env_extra=None, offline=False):
     out = tmp_path / "e2e.json"
     env = dict(os.environ, FAKE_MODE=mode, **(env_extra or {}))
+    offline_args = (["--offline-cmd", f"{sys.executable} {FAKE_OFFLINE}"] if offline
+                    else ["--skip-offline"])
     argv = [sys.executable, SCRIPT, "--target", str(tmp_path), "--drafter", DRAFTER,
             "--out", str(out), "--log-dir", str(tmp_path / "logs"),
-            "--server-cmd", f"{sys.executable} {FAKE}", "--skip-offline",
+            "--server-cmd", f"{sys.executable} {FAKE}", *offline_args,
             "--concurrency", "8", "--num-requests", "24", "--max-tokens", "16", *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     result = json.loads(out.read_text()) if out.exists() else None
@@ -219,6 +222,46 @@ def test_flow_against_fake_server_passes(tmp_path):
     assert os.path.exists(r["server"]["logs"]["stderr"])
     assert r["server"]["stop"]["returncode"] is not None and not r["server"]["stop"]["sigkill"]
     assert "serve_e2e.py" in r["command"]
+
+
+def test_offline_references_both_compared_token_for_token(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--strict-greedy", "--time-budget", "60",
+                          offline=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for key, reference in (("greedy", "no-spec"), ("greedy_same_config", "same-config")):
+        g = r[key]
+        assert g["reference"] == reference and g["returncode"] == 0
+        assert (g["identical"], g["total"], g["all_identical"]) == (24, 24, True)
+        assert g["identical_texts"] == 24 and g["prompts_as_token_ids"]
+    spec = json.loads((tmp_path / "logs" / "offline-same-config-spec.json").read_text())
+    assert spec["speculative_config"] == r["server"]["speculative_config"]
+    assert spec["attention_backend"] is None and spec["max_num_seqs"] == 64
+    assert "greedy vs offline same-config: 24/24 identical" in proc.stdout
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_differing_offline_reference_is_reported_and_fails_only_when_strict(tmp_path, strict):
+    extra = ["--strict-greedy"] if strict else []
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60", *extra,
+                          offline=True, env_extra={"FAKE_OFFLINE_DIFFER": "same-config"})
+    assert r["greedy"]["all_identical"]
+    g = r["greedy_same_config"]
+    assert (g["identical"], g["all_identical"]) == (23, False)
+    assert g["first_difference"]["request"] == 1 and g["first_difference"]["position"] == 3
+    if strict:
+        assert proc.returncode == 1
+        assert r["failures"] == ["greedy/identical_to_offline_same_config"]
+    else:
+        assert proc.returncode == 0 and r["passed"]
+
+
+def test_an_offline_reference_that_fails_is_a_failure(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60",
+                          "--offline-references", "no-spec", offline=True,
+                          env_extra={"FAKE_OFFLINE_FAIL": "no-spec"})
+    assert proc.returncode == 1
+    assert r["failures"] == ["greedy/offline_no-spec_ran"]
+    assert "fails" in r["greedy"]["log_tail"] and "greedy_same_config" not in r
 
 
 @pytest.mark.parametrize("mode, failed", [

@@ -1,0 +1,37 @@
+"""A stand-in for ``serve_e2e.py --offline-worker`` (CPU, no model), used by
+tests/bench/test_serve_e2e.py: reads the reference spec, writes the greedy outputs
+tests/bench/fake_openai_server.py would give for the same prompt token ids.
+
+FAKE_OFFLINE_DIFFER=<reference> makes that reference's second output differ from its
+fourth token on; FAKE_OFFLINE_FAIL=<reference> makes it exit 1 without output.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_openai_server import completion_for, text_of  # noqa: E402
+
+
+def main(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    reference = spec["reference"]
+    if os.environ.get("FAKE_OFFLINE_FAIL") == reference:
+        print(f"fake offline worker: {reference} fails", flush=True)
+        return 1
+    if reference == "same-config":
+        assert spec["speculative_config"]["method"] == "ddtree", spec
+    else:
+        assert "speculative_config" not in spec, spec
+    ids = [completion_for(p, spec["max_tokens"]) for p in spec["prompts"]]
+    if os.environ.get("FAKE_OFFLINE_DIFFER") == reference and len(ids) > 1:
+        ids[1] = ids[1][:3] + [t + 1 for t in ids[1][3:]]
+    with open(out_path, "w") as f:
+        json.dump({"init_s": 0.0, "generate_s": 0.0, "token_ids": ids,
+                   "texts": [text_of(x) for x in ids]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
