@@ -547,6 +547,10 @@ def _compact_path_kernel(
             dst = tl.load(slot_ptr + dst_row, mask=row_ok, other=-1).to(tl.int64)
             kv_move = row_ok & (src >= 0) & (dst >= 0) & (src != dst)
             layer_ptr = kv_ptr + tl.load(kv_off_ptr + layer)
+            # Same slot and element addressing as _compact_kv_kernel, written out again:
+            # a shared helper would have to be a @triton.jit function for the compiler
+            # and a plain one for the interpreter our CPU tests run (Triton refuses a
+            # jitted helper inside an interpreted kernel, and a plain one when compiling).
             src_off = (src // block_size) * stride_block + (src % block_size) * stride_token
             dst_off = (dst // block_size) * stride_block + (dst % block_size) * stride_token
             e = chunk * BLOCK_E + e_base
