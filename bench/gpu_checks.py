@@ -85,7 +85,10 @@ def _free(llm):
     # Shut the engine core down explicitly: with tensor parallelism its worker
     # processes otherwise outlive `del llm` and keep their GPU memory (the next
     # engine then fails in cublasCreate, seen in the first TP run).
-    llm.llm_engine.engine_core.shutdown()
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001 - cleanup; the next engine start will tell
+        print(f"gpu_checks: engine shutdown raised {exc!r}", file=sys.stderr, flush=True)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
