@@ -7,7 +7,7 @@
 The baseline is the result itself, with two changes:
 
 * ``greedy_match`` is kept only where the run was exact (``bench.run.greedy_exact``:
-  float32 without CUDA graphs, or vLLM's batch-invariant kernels). Elsewhere greedy
+  float32 without CUDA graphs). Elsewhere greedy
   outputs may differ from the reference in the last bits of a near-tie for the chain
   and DDTree alike, so the gate must not demand equality there; the counts
   (``greedy_identical`` / ``greedy_total``) stay as information. Results written by
@@ -43,8 +43,7 @@ def make_baseline(doc: dict, source: str) -> dict:
         if "dtype" not in doc or "cuda_graphs" not in doc:
             raise InputError(f"{source}: needs 'greedy_exact', or 'dtype' and 'cuda_graphs', "
                              "to tell whether greedy outputs were compared exactly")
-        exact = greedy_exact(str(doc["dtype"]), not doc["cuda_graphs"],
-                             bool(doc.get("batch_invariant", False)))
+        exact = greedy_exact(str(doc["dtype"]), not doc["cuda_graphs"])
     out = {k: v for k, v in doc.items() if k != "results"}
     out["greedy_exact"] = exact
     out["baseline_from"] = {"file": source, "git_rev": doc.get("git_rev"),
