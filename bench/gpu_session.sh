@@ -2,6 +2,9 @@
 # The GPU-host runs behind bench/results/, one step per device call (each under the
 # 10-minute call limit). Assumes the staged vLLM (/opt/vllm-site) and fixture payload
 # (/opt/smollm2-fixture: GGUF + prompt sets) of docs/benchmarks.md; writes to $OUT.
+# Another GPU host: DDTREE_VLLM_SITE (the directory holding the vllm package the series
+# is applied to), DDTREE_FIXTURE (GGUF + data/), DDTREE_TARGET (where the converted
+# target goes) and DDTREE_STATE (a writable directory for the fused-kernel verdict).
 #
 # Steps run in the order given; several may share one device call (each keeps its own
 # timeouts). CHECKS_ALGOS=0 leaves the kernel timings out of `checks`.
@@ -35,23 +38,27 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/ddtree-out}"
 mkdir -p "$OUT"
-export PYTHONPATH=".:/opt/vllm-site" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+VLLM_SITE="${DDTREE_VLLM_SITE:-/opt/vllm-site}"
+FIXTURE="${DDTREE_FIXTURE:-/opt/smollm2-fixture}"
+STATE="${DDTREE_STATE:-/opt}"
+FUSED_VERDICT="$STATE/ddtree-fused-kernels"
+export PYTHONPATH=".:$VLLM_SITE" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-TARGET=/opt/smollm2-hf DATA=/opt/smollm2-fixture/data DRAFTER=bench/fixture/smollm2-dflash
+TARGET="${DDTREE_TARGET:-/opt/smollm2-hf}" DATA="$FIXTURE/data" DRAFTER=bench/fixture/smollm2-dflash
 
 # The series applied to the staged vLLM (every step); `prepare` also converts the
 # benchmark target (needs the fixture payload; the 8B cost mode does not).
 apply_series() {
-  ./apply.sh --site /opt/vllm-site > "$OUT/apply.log" 2>&1 || { echo "apply failed"; tail -20 "$OUT/apply.log"; exit 1; }
+  ./apply.sh --site "$VLLM_SITE" > "$OUT/apply.log" 2>&1 || { echo "apply failed"; tail -20 "$OUT/apply.log"; exit 1; }
   # A GPU kernel failure (recorded by `checks`) switches to the unfused paths.
-  if [ -f /opt/ddtree-fused-kernels ]; then
-    VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+  if [ -f "$FUSED_VERDICT" ]; then
+    VLLM_DDTREE_FUSED_KERNELS="$(cat "$FUSED_VERDICT")"; export VLLM_DDTREE_FUSED_KERNELS
   fi
 }
 
 prepare() {
   if [ ! -f "$TARGET/config.json" ]; then
-    python3 -m bench.fixture.convert_smollm2 --gguf /opt/smollm2-fixture/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python3 -m bench.fixture.convert_smollm2 --gguf "$FIXTURE/SmolLM2-135M-Instruct.Q4_1.gguf" \
       --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
   fi
   apply_series
@@ -68,12 +75,12 @@ FUSED_TESTS="tests/unit/test_tree_walk_fused.py tests/unit/test_tree_bias_fused.
 fused_tests() {
   # shellcheck disable=SC2086  # FUSED_TESTS is a list of paths
   if timeout 150 python3 -m pytest -q -x -p no:cacheprovider $FUSED_TESTS > "$OUT/gpu-fused-kernel-tests.log" 2>&1; then
-    echo 1 > /opt/ddtree-fused-kernels
+    echo 1 > "$FUSED_VERDICT"
   else
-    echo 0 > /opt/ddtree-fused-kernels; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
+    echo 0 > "$FUSED_VERDICT"; echo "FUSED KERNEL TESTS FAILED: unfused paths from now on"
   fi
   tail -3 "$OUT/gpu-fused-kernel-tests.log"
-  VLLM_DDTREE_FUSED_KERNELS="$(cat /opt/ddtree-fused-kernels)"; export VLLM_DDTREE_FUSED_KERNELS
+  VLLM_DDTREE_FUSED_KERNELS="$(cat "$FUSED_VERDICT")"; export VLLM_DDTREE_FUSED_KERNELS
   # shellcheck disable=SC2086
   VLLM_DDTREE_DIRECT_LAUNCH=0 timeout 150 python3 -m pytest -q -p no:cacheprovider $FUSED_TESTS \
     tests/unit/test_direct_launch.py > "$OUT/gpu-triton-launch-tests.log" 2>&1
@@ -205,7 +212,7 @@ case "$step" in
     ;;
   profile)
     prepare
-    [ -f /opt/ddtree-fused-kernels ] || fused_tests
+    [ -f "$FUSED_VERDICT" ] || fused_tests
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${PROFILE_CONFIGS:-dflash ddtree-b32}"
     # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process (session 3's run).
