@@ -74,3 +74,35 @@ def test_greedy_ddtree_equals_greedy_without_speculation(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     failures = equivalence_failures(json.loads(out.read_text()))
     assert not failures, failures
+
+
+def _num_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_num_gpus() < 2, reason="needs two NVIDIA GPUs")
+def test_greedy_ddtree_with_tensor_parallelism_2(tmp_path):
+    """TP=2 on the tiny random Qwen3 pair (SmolLM2's 9 heads do not split over 2 ranks):
+    DDTree and the chain equal TP=2 without speculation, eager and with CUDA graphs.
+    Ranks that built different trees would diverge or hang. Session 5 on two H200s:
+    eager identical (bench/results/gpu-equiv-tiny-tp2.log.gz)."""
+    out = tmp_path / "equiv-tp2.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "gpu_checks.py"), "equiv", "--out", str(out),
+         "--dtype", "float32", "--num-prompts", "16", "--max-tokens", "64", "--budgets", "32",
+         "--batch-sizes", "1", "16", "--eager-modes", "eager", "graphs"],
+        cwd=REPO, capture_output=True, text=True, timeout=840,
+        env=dict(os.environ, DDTREE_CHECK_TP="2"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    failures = equivalence_failures(result)
+    assert not failures, failures
+    assert {r["config"] for r in result["runs"]} >= {"no-spec", "dflash-15", "ddtree-32"}
