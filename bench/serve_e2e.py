@@ -374,6 +374,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The server's scheduler limits; the offline references run with the same ones.
+MAX_NUM_SEQS = 64
+MAX_NUM_BATCHED_TOKENS = 8192
+
 # Offline greedy references (phase 6): where each one's result goes in the JSON.
 OFFLINE_REFERENCES = ("no-spec", "same-config")
 OFFLINE_RESULT_KEYS = {"no-spec": "greedy", "same-config": "greedy_same_config"}
@@ -412,7 +416,8 @@ def serve_command(prefix: list[str], target: str, spec: dict, port: int, *,
         "--speculative-config", json.dumps(spec),
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
-        "--max-model-len", str(max_model_len), "--max-num-seqs", "64", "--max-num-batched-tokens", "8192",
+        "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
         "--enforce-eager", "--seed", "0",
         "--served-model-name", SERVED_MODEL_NAME,
     ]
@@ -923,8 +928,8 @@ def offline_worker(spec_path: str, out_path: str) -> int:
     llm = LLM(model=spec["target"], enforce_eager=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"],
               max_model_len=spec["max_model_len"], seed=0, dtype=spec.get("dtype", "auto"),
-              max_num_seqs=spec.get("max_num_seqs", 64),
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192), **extra)
+              max_num_seqs=spec["max_num_seqs"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"], **extra)
     init_s = time.monotonic() - t0
     prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in spec["prompts"]]
     sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
@@ -966,7 +971,7 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
     spec = {"reference": reference, "target": args.target,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "max_model_len": args.max_model_len, "max_tokens": args.max_tokens,
-            "max_num_seqs": 64, "max_num_batched_tokens": 8192,
+            "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "dtype": args.dtype, "attention_backend": args.reference_attention_backend,
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
     if reference == "same-config":
