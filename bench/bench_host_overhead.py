@@ -106,7 +106,7 @@ def timed(fn, iters: int, device: str = "cpu") -> float:
 def gpu_baselines(iters: int) -> dict:
     """Launch-cost yardsticks on the GPU host: Triton launches of a kernel with 1 and
     with 24 arguments, two small torch ops, and CUDA-graph replays."""
-    from vllm_ddtree._triton import jit, tl
+    from vllm_ddtree._triton import jit, run_compiled, tl
 
     def one_arg(x_ptr):
         tl.store(x_ptr, 1)
@@ -133,8 +133,7 @@ def gpu_baselines(iters: int) -> dict:
 
     def direct():
         stream = driver.active.get_current_stream(torch.cuda.current_device())
-        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *ptrs, *ints)
+        run_compiled(compiled, (1,), stream, (*ptrs, *ints))
 
     calls["triton_direct_launch_24_args"] = direct
     for nodes in (50, 400):

@@ -146,6 +146,15 @@ def _current_stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 
 
+def run_compiled(compiled: Any, grid: tuple, stream: int, args: tuple) -> None:
+    """Launch a Triton-compiled kernel with its full argument list (every parameter in
+    signature order), as Triton 3.6's launch path does after its checks: grid padded to
+    three dims, no launch hooks. The one place that knows the launcher's layout."""
+    g = tuple(grid) + (1, 1)
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *args)
+
+
 class DirectLauncher:
     """``launcher[grid](*args, **kwargs)`` for one Triton kernel, like ``kernel[grid]``,
     without Triton's per-call Python path (binder, cache key, checks: ~15-18 us of host
@@ -162,6 +171,8 @@ class DirectLauncher:
         self.kernel = kernel
         self.params = list(getattr(kernel, "params", ()))
         self.cache: dict[tuple, tuple[Any, tuple]] = {}
+        # Set when this Triton's compiled launcher refused a direct call: Triton's path.
+        self.refused = False
 
     def __getitem__(self, grid: tuple):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -186,7 +197,8 @@ class DirectLauncher:
         runtime = knobs.runtime
         hooked = (_has_hooks(runtime.launch_enter_hook) or _has_hooks(runtime.launch_exit_hook)
                   or getattr(self.kernel, "pre_run_hooks", None))
-        key = None if hooked or not self.params else specialization_key(args, kwargs)
+        key = (None if hooked or self.refused or not self.params
+               else specialization_key(args, kwargs))
         if key is None:
             self.kernel[grid](*args, **kwargs)
             return
@@ -202,17 +214,14 @@ class DirectLauncher:
                 self.cache[key] = (compiled, tail)
             return
         compiled, tail = hit
-        g = tuple(grid) + (1, 1)
-        stream = _current_stream(device)
         try:
-            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                         None, None, None, *args, *tail)
+            run_compiled(compiled, grid, _current_stream(device), args + tail)
         except TypeError as exc:
             # A Triton whose compiled launcher takes other arguments than 3.6's (the
             # call is refused before anything is launched): Triton's path from now on.
             logger.warning("ddtree: direct Triton launch of %s refused (%s); using Triton's "
                            "launch path for it", getattr(self.kernel, "__name__", self.kernel), exc)
-            self.params = []
+            self.refused = True
             self.cache.clear()
             self.kernel[grid](*args, **kwargs)
 
