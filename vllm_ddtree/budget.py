@@ -16,6 +16,18 @@ nothing else changes. vLLM's scheduler already schedules a batch-size-dependent
 number of draft tokens (``num_speculative_tokens_per_batch_size``, "dynamic
 speculative decoding", async scheduling only); :func:`budget_schedule` produces that
 schedule, and CUDA graphs are captured for each budget in it.
+
+Budget 0 (``ddtree_disable_by_batch_size``, :func:`disable_from_batch_size`) means no
+drafts: from that batch size on the step is plain decoding, for targets whose forward
+grows with the verified tokens early (a small target, or a big batch), where a tree
+costs more than it gains. The drafter then only stores its context (the target's
+hidden states of the new tokens), so drafting resumes at full acceptance when the
+batch shrinks again.
+
+The drafter's own work follows the budget too (:func:`draft_shape`,
+:func:`drafting_budgets`): a tree of B nodes needs at most B positions and B
+candidates per position, so at large batches the drafter computes logits for a few
+positions instead of all of them.
 """
 
 from __future__ import annotations
@@ -72,6 +84,59 @@ def budget_schedule(tokens_per_step: int, max_budget: int,
         last = max(n, tokens_per_step // (b + 1))
         ranges.append((n, last, b))
         n = last + 1
+
+
+def disable_from_batch_size(schedule: list[tuple[int, int, int]] | None, max_budget: int,
+                            first_disabled: int) -> list[tuple[int, int, int]]:
+    """A schedule that decodes without drafts (budget 0) from ``first_disabled``
+    running requests on: ``schedule`` (or ``max_budget`` at every batch size) below
+    it, ``(first_disabled, OPEN_END, 0)`` from it."""
+    if first_disabled < 2:
+        raise ValueError(
+            f"first_disabled must be >= 2 (at 1 speculation would never run), got "
+            f"{first_disabled}")
+    if schedule is None:
+        schedule = [(1, OPEN_END, max_budget)]
+    kept = [(first, min(last, first_disabled - 1), b)
+            for first, last, b in schedule if first < first_disabled]
+    return kept + [(first_disabled, OPEN_END, 0)]
+
+
+def draft_shape(budget: int, max_depth: int, top_k: int) -> tuple[int, int]:
+    """``(depth, top-K)`` a tree of ``budget`` best-first nodes can use.
+
+    A tree of B nodes is at most B deep and no node ranks B or lower among its
+    siblings, so drafting ``min(max_depth, B)`` positions with ``min(top_k, B)``
+    candidates each gives exactly the first B nodes of the full tree (nodes are
+    best-first, so the full tree's first B nodes are the best tree of B nodes; up to
+    ties at the K-th candidate, where ``torch.topk`` picks). Fewer positions mean
+    fewer drafter logits and a smaller top-K: the drafting work shrinks with the
+    batch-aware budget instead of staying at the largest tree's."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    return min(max_depth, budget), min(top_k, budget)
+
+
+def drafting_budgets(budget_by_batch: list[int], graph_batch_sizes) -> list[int]:
+    """Tree budget to draft for, by the batch size the drafter runs at (index 0
+    unused).
+
+    ``budget_by_batch`` is the scheduler's budget by batch size (vLLM's dense
+    dynamic-speculative-decoding lookup). A drafter CUDA graph captured for ``p``
+    requests also runs the batch sizes above the next smaller captured size, padded
+    up to ``p``; inside the graph the real size is unknown, so it drafts for the
+    largest budget among them (never a smaller tree than the scheduler verifies).
+    Batch sizes without a graph run eagerly and draft exactly their own budget."""
+    table = list(budget_by_batch)
+    prev = 0
+    for p in sorted(set(int(x) for x in graph_batch_sizes)):
+        if p < 1:
+            continue
+        if p >= len(table):
+            break
+        table[p] = max(budget_by_batch[prev + 1:p + 1])
+        prev = p
+    return table
 
 
 def expand_schedule(schedule: list[tuple[int, int, int]], max_batch: int) -> list[int]:

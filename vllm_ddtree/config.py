@@ -27,6 +27,10 @@ Options (fields of vLLM's ``SpeculativeConfig``):
     grows (:mod:`vllm_ddtree.budget`), through vLLM's
     ``num_speculative_tokens_per_batch_size``, which may also be given directly.
     Either needs asynchronous scheduling (the default).
+``ddtree_disable_by_batch_size``
+    Optional: from this many running requests on, steps decode without drafts (budget
+    0), e.g. where the benchmark shows plain decoding ahead. Combines with
+    ``ddtree_tokens_per_step``; needs asynchronous scheduling.
 """
 
 from __future__ import annotations
@@ -159,6 +163,22 @@ def resolve_ddtree_options(spec_config: Any) -> None:
         spec_config.num_speculative_tokens_per_batch_size = budget_schedule(
             tokens_per_step, budget
         )
+    first_disabled = getattr(spec_config, "ddtree_disable_by_batch_size", None)
+    if first_disabled is not None:
+        _check_int("ddtree_disable_by_batch_size", first_disabled, 2, 1 << 20)
+        if tokens_per_step is None and getattr(
+            spec_config, "num_speculative_tokens_per_batch_size", None
+        ) is not None:
+            raise DDTreeConfigError(
+                "ddtree: set either ddtree_disable_by_batch_size or "
+                "num_speculative_tokens_per_batch_size, not both (give the budget 0 "
+                "range in the schedule itself)."
+            )
+        from vllm_ddtree.budget import disable_from_batch_size
+
+        spec_config.num_speculative_tokens_per_batch_size = disable_from_batch_size(
+            spec_config.num_speculative_tokens_per_batch_size, budget, first_disabled
+        )
 
     spec_config.ddtree_max_depth = depth
     spec_config.ddtree_top_k = top_k
@@ -242,8 +262,9 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
         scheduler is not None and not scheduler.async_scheduling
     ):
         raise DDTreeConfigError(
-            "ddtree: a batch-size-dependent tree budget (ddtree_tokens_per_step or "
-            "num_speculative_tokens_per_batch_size) needs asynchronous scheduling: "
+            "ddtree: a batch-size-dependent tree budget (ddtree_tokens_per_step, "
+            "ddtree_disable_by_batch_size or num_speculative_tokens_per_batch_size) "
+            "needs asynchronous scheduling: "
             "with the V2 model runner only the async scheduler schedules fewer draft "
             "tokens than num_speculative_tokens. Remove --no-async-scheduling (or "
             "async_scheduling=False), or drop the schedule."

@@ -40,6 +40,7 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
+from vllm_ddtree.budget import draft_shape, drafting_budgets
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -56,6 +57,7 @@ from vllm_ddtree.tree_attention import (
 from vllm_ddtree.tree_builder import (
     build_trees,
     empty_tree,
+    fill_root_only_trees_,
     store_trees_by_state_,
     store_trees_by_state_reference_,
 )
@@ -71,7 +73,22 @@ FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
 
 
 def fused_kernels_enabled() -> bool:
-    return os.environ.get(FUSED_KERNELS_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _env_flag(FUSED_KERNELS_ENV)
+
+
+# The drafter computes logits and builds trees only as deep and wide as the step's
+# batch-aware budget needs (vllm_ddtree.budget.draft_shape). VLLM_DDTREE_LEAN_DRAFT=0
+# drafts the full tree at every batch size (the earlier behaviour; same verified trees
+# up to top-K ties), e.g. to measure what the lean drafter saves.
+LEAN_DRAFT_ENV = "VLLM_DDTREE_LEAN_DRAFT"
+
+
+def lean_draft_enabled() -> bool:
+    return _env_flag(LEAN_DRAFT_ENV)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 logger = init_logger(__name__)
 
@@ -132,6 +149,18 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.max_num_tokens, dtype=torch.int64, device=device
         )
         self._kv_ptr_table = None
+        # Budget to draft for, by the batch size the drafter runs at (None: always the
+        # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
+        # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
+        self._budget_by_batch = self._scheduler_budget_lookup(vllm_config)
+        self._drafting_budget = (
+            drafting_budgets(self._budget_by_batch, [])
+            if self._budget_by_batch is not None and lean_draft_enabled()
+            else None
+        )
+        # True while propose() runs for memory profiling: draft the full tree there,
+        # so the profile sees the largest drafting buffers.
+        self._profiling_draft = False
         # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
         self.profiler = StepProfiler.from_env()
         if self.profiler is not None:
@@ -146,6 +175,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
 
     # ----------------------------------------------------------------- set-up
+
+    def _scheduler_budget_lookup(self, vllm_config: VllmConfig) -> list[int] | None:
+        """The scheduler's tree budget by batch size (index = batch size), or None when
+        every step verifies the full budget."""
+        schedule = vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+        if not schedule:
+            return None
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        return build_dynamic_sd_schedule_lookup(
+            schedule,
+            vllm_max_batch_size=self.max_num_reqs,
+            vllm_num_speculative_tokens=self.tree_budget,
+        )
+
+    def _draft_budget(self, num_reqs: int) -> int:
+        """Tree budget to draft for a drafter batch of ``num_reqs`` (padded) requests."""
+        if self._profiling_draft or self._drafting_budget is None:
+            return self.tree_budget
+        return self._drafting_budget[min(num_reqs, self.max_num_reqs)]
 
     def set_attn(
         self,
@@ -193,6 +242,35 @@ class DDTreeSpeculator(DFlashSpeculator):
             super().init_cudagraph_manager(cudagraph_mode)
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
+        if self._drafting_budget is not None:
+            self._drafting_budget = drafting_budgets(
+                self._budget_by_batch, self._drafter_graph_batch_sizes()
+            )
+            logger.info(
+                "DDTree: drafting budget by batch size (drafter graphs included): %s",
+                _ranges(self._drafting_budget),
+            )
+
+    def _drafter_graph_batch_sizes(self) -> list[int]:
+        """Request counts of the drafter's full CUDA graphs (each also runs the smaller
+        batch sizes padded up to it). Read from vLLM's graph manager; if its layout is
+        not the expected one, every batch size counts as padded up to the largest,
+        which drafts the largest budget of all (safe, not lean)."""
+        manager = self.query_cudagraph_manager
+        descs = getattr(manager, "_capture_descs", None)
+        if not isinstance(descs, dict):
+            logger.warning(
+                "ddtree: cannot read the drafter's CUDA graph sizes; drafting the "
+                "largest scheduled budget at every batch size"
+            )
+            return [self.max_num_reqs]
+        return [
+            d.num_reqs
+            for mode, group in descs.items()
+            if mode == CUDAGraphMode.FULL
+            for d in group
+            if d.num_reqs
+        ]
 
     def _kv_caches(self) -> list[torch.Tensor]:
         if not self._target_kv_caches:
@@ -358,24 +436,28 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._pending_compaction = False
         self._verified_rows = None
 
-        draft_tokens = super().propose(
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            hidden_states,
-            None,
-            num_sampled,
-            num_rejected,
-            last_sampled,
-            next_prefill_tokens,
-            temperature,
-            seeds,
-            num_tokens_across_dp=num_tokens_across_dp,
-            dummy_run=dummy_run,
-            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-            mm_inputs=mm_inputs,
-            is_profile=is_profile,
-        )
+        self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
+        try:
+            draft_tokens = super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                hidden_states,
+                None,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                num_tokens_across_dp=num_tokens_across_dp,
+                dummy_run=dummy_run,
+                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs,
+                is_profile=is_profile,
+            )
+        finally:
+            self._profiling_draft = False
         if not dummy_run:
             self._store_trees(input_batch.idx_mapping)
         if profiler is not None:
@@ -401,6 +483,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_tokens_across_dp: torch.Tensor | None,
         cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
     ) -> None:
+        # Runs eagerly or inside the drafter's CUDA graph for num_reqs (padded)
+        # requests; the budget is a host-side function of num_reqs, so each graph
+        # holds the drafting work of its own budget.
+        out = type(self.trees)(*(t[:num_reqs] for t in self.trees))
+        budget = self._draft_budget(num_reqs)
+        if budget == 0:
+            # No drafts at this batch size: the scheduler verifies none. The drafter's
+            # context was stored by propose() before this; only mark the trees empty
+            # (a request that sits out steps must not keep an old tree).
+            fill_root_only_trees_(out)
+            self.draft_tokens[:num_reqs] = 0
+            return
         last_hidden_states = self._run_model(
             num_tokens_padded,
             attn_metadata,
@@ -408,16 +502,26 @@ class DDTreeSpeculator(DFlashSpeculator):
             num_tokens_across_dp,
             cudagraph_runtime_mode,
         )
-        num_sample = num_reqs * self.tree_depth
-        sample_hidden_states = last_hidden_states[self.sample_indices[:num_sample]]
-        draft_logits = self.model.compute_logits(sample_hidden_states)
-        trees = build_trees(
-            draft_logits.view(num_reqs, self.tree_depth, -1),
-            self.tree_budget,
-            self.tree_top_k,
-            out=type(self.trees)(*(t[:num_reqs] for t in self.trees)),
-        )
+        depth, top_k = draft_shape(budget, self.tree_depth, self.tree_top_k)
+        rows = self.sample_indices[: num_reqs * self.tree_depth]
+        if depth < self.tree_depth:
+            # The first `depth` masked positions of each request (request-major rows).
+            rows = rows.view(num_reqs, self.tree_depth)[:, :depth].reshape(-1)
+        draft_logits = self.model.compute_logits(last_hidden_states[rows])
+        trees = build_trees(draft_logits.view(num_reqs, depth, -1), budget, top_k, out=out)
         self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]
+
+
+def _ranges(table: list[int]) -> str:
+    """``[0, 64, 64, 32]`` (index 0 unused) -> ``"1-2: 64, 3: 32"``."""
+    parts = []
+    start = 1
+    for n in range(2, len(table) + 1):
+        if n == len(table) or table[n] != table[start]:
+            parts.append(f"{start}-{n - 1}: {table[start]}" if n - 1 > start
+                         else f"{start}: {table[start]}")
+            start = n
+    return ", ".join(parts)
 
 
 class DDTreeSampler:

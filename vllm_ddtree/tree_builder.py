@@ -28,7 +28,8 @@ Since children are pushed only when their parent is popped, every node's parent 
 smaller node index, and siblings carry distinct tokens (distinct ranks of one
 position). The heap never needs more than ``B`` live entries before the last pop.
 
-Output format (per request r, fixed size B + 1, node 0 = root = the bonus token):
+Output format (per request r, fixed size B + 1, node 0 = root = the bonus token;
+:func:`build_trees` may write into wider ``out`` buffers, whose extra nodes it pads):
 
     node_tokens  [R, B+1] int64   root: ``root_tokens[r]`` or 0; padding: 0
     node_parents [R, B+1] int32   root: -1; padding: 0; parent < child otherwise
@@ -62,6 +63,7 @@ __all__ = [
     "draft_log_normalizer",
     "draft_topk",
     "empty_tree",
+    "fill_root_only_trees_",
     "resolve_top_k",
 ]
 
@@ -88,6 +90,22 @@ def empty_tree(
         torch.empty(shape, dtype=torch.bool, device=device),
         torch.empty(shape, dtype=torch.float32, device=device),
     )
+
+
+def fill_root_only_trees_(out: DDTree) -> DDTree:
+    """Write trees that hold only their root (every other node padding) into ``out``,
+    in place and without host sync: what a step without drafts leaves behind. The
+    root's token is set to 0 like a tree built without ``root_tokens``."""
+    out.node_tokens.zero_()
+    out.node_parents.zero_()
+    out.node_parents[:, 0] = -1
+    out.node_depths.fill_(1)
+    out.node_depths[:, 0] = 0
+    out.node_valid.fill_(False)
+    out.node_valid[:, 0] = True
+    out.node_scores.fill_(float("-inf"))
+    out.node_scores[:, 0] = 0.0
+    return out
 
 
 def resolve_top_k(budget: int, vocab_size: int, top_k: int | None = None) -> int:
@@ -323,12 +341,13 @@ def _build_tree_kernel(
     max_depth,
     k,
     budget,
+    row_nodes,  # nodes per output row (>= budget + 1); nodes past budget are padding
     HAS_ROOT: tl.constexpr,
     BLOCK: tl.constexpr,  # power of two >= budget + 1
+    PAD_BLOCK: tl.constexpr,  # power of two >= row_nodes - budget - 1 (0: no padding)
 ):
     req = tl.program_id(0).to(tl.int64)
-    n_nodes = budget + 1
-    out_base = req * n_nodes
+    out_base = req * row_nodes
     cand_base = req * max_depth * k
 
     # Root node.
@@ -401,6 +420,18 @@ def _build_tree_kernel(
         alive = tl.where(cs, child_ok, alive)
         created = tl.where(cs, 2 * n, created)
 
+    if PAD_BLOCK > 0:
+        # Nodes beyond this call's budget (a smaller tree in wider buffers): padding.
+        pad = budget + 1 + tl.arange(0, PAD_BLOCK)
+        in_row = pad < row_nodes
+        o = out_base + pad
+        tl.store(tokens_ptr + o, tl.zeros((PAD_BLOCK,), dtype=tl.int64), mask=in_row)
+        tl.store(parents_ptr + o, tl.zeros((PAD_BLOCK,), dtype=tl.int32), mask=in_row)
+        tl.store(depths_ptr + o, tl.full((PAD_BLOCK,), 1, dtype=tl.int32), mask=in_row)
+        tl.store(valid_ptr + o, tl.zeros((PAD_BLOCK,), dtype=tl.int1), mask=in_row)
+        tl.store(scores_ptr + o, tl.full((PAD_BLOCK,), float("-inf"), dtype=tl.float32),
+                 mask=in_row)
+
 
 def _build_trees_triton(
     ids: torch.Tensor, logp: torch.Tensor, budget: int, root_tokens, out: DDTree
@@ -408,6 +439,8 @@ def _build_trees_triton(
     num_req, depth_max, k = ids.shape
     kernel = jit(_build_tree_kernel)
     has_root = root_tokens is not None
+    row_nodes = out.node_tokens.shape[1]
+    num_pad = row_nodes - budget - 1
     kernel[(num_req,)](
         ids,
         logp,
@@ -420,8 +453,10 @@ def _build_trees_triton(
         depth_max,
         k,
         budget,
+        row_nodes,
         HAS_ROOT=has_root,
         BLOCK=next_power_of_2(budget + 1),
+        PAD_BLOCK=next_power_of_2(num_pad) if num_pad > 0 else 0,
         num_warps=1 if budget < 256 else 4,
     )
 
@@ -510,11 +545,18 @@ def _build_trees_torch(
     depths_out[:, 0] = 0
     valid_out[:, 0] = True
     scores_out[:, 0] = 0.0
-    out.node_tokens.copy_(tokens_out)
-    out.node_parents.copy_(parents_out)
-    out.node_depths.copy_(depths_out)
-    out.node_valid.copy_(valid_out)
-    out.node_scores.copy_(scores_out)
+    width = budget + 1
+    out.node_tokens[:, :width].copy_(tokens_out)
+    out.node_parents[:, :width].copy_(parents_out)
+    out.node_depths[:, :width].copy_(depths_out)
+    out.node_valid[:, :width].copy_(valid_out)
+    out.node_scores[:, :width].copy_(scores_out)
+    # Nodes beyond this call's budget (a smaller tree in wider buffers): padding.
+    out.node_tokens[:, width:] = 0
+    out.node_parents[:, width:] = 0
+    out.node_depths[:, width:] = 1
+    out.node_valid[:, width:] = False
+    out.node_scores[:, width:] = float("-inf")
 
 
 # ----------------------------------------------------------------------------------
@@ -538,8 +580,10 @@ def build_trees(
         budget: B, draft nodes per request (root not counted); outputs have B + 1 nodes.
         top_k: candidates per position (default B), capped at V. Static per engine.
         root_tokens: optional [R] integer tensor written to node 0 (else 0).
-        out: optional preallocated :class:`DDTree` of [R, B+1] buffers (see
-            :func:`empty_tree`) on the logits' device; filled in place and returned.
+        out: optional preallocated :class:`DDTree` of [R, W] buffers, W >= B + 1 (see
+            :func:`empty_tree`), on the logits' device; filled in place and returned.
+            Nodes B + 1 .. W - 1 are written as padding, so a step can build a smaller
+            tree than the buffers hold (the runner's batch-aware budget).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton when it can run on
             these tensors: CUDA, or CPU with ``TRITON_INTERPRET=1``; else torch).
 
@@ -584,6 +628,12 @@ def build_trees(
 
 
 def _check_out(out: DDTree, num_req: int, budget: int, device: torch.device) -> None:
+    width = out.node_tokens.shape[-1] if out.node_tokens.dim() == 2 else -1
+    if width < budget + 1:
+        raise ValueError(
+            f"out buffers hold {width} nodes per request, fewer than budget + 1 = "
+            f"{budget + 1}"
+        )
     want = (
         ("node_tokens", torch.int64),
         ("node_parents", torch.int32),
@@ -593,9 +643,9 @@ def _check_out(out: DDTree, num_req: int, budget: int, device: torch.device) -> 
     )
     for name, dtype in want:
         t = getattr(out, name)
-        if t.shape != (num_req, budget + 1) or t.dtype != dtype or t.device != device:
+        if t.shape != (num_req, width) or t.dtype != dtype or t.device != device:
             raise ValueError(
-                f"out.{name} must be a {dtype} tensor of shape ({num_req}, {budget + 1}) "
+                f"out.{name} must be a {dtype} tensor of shape ({num_req}, {width}) "
                 f"on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
         if not t.is_contiguous():

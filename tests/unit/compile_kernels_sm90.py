@@ -39,7 +39,7 @@ TREE_SIG = {
     "topk_ids_ptr": "*i64", "topk_logp_ptr": "*fp32", "root_tokens_ptr": "*i64",
     "tokens_ptr": "*i64", "parents_ptr": "*i32", "depths_ptr": "*i32", "valid_ptr": "*i1",
     "scores_ptr": "*fp32", "max_depth": "i32", "k": "i32", "budget": "i32",
-    "HAS_ROOT": "constexpr", "BLOCK": "constexpr",
+    "row_nodes": "i32", "HAS_ROOT": "constexpr", "BLOCK": "constexpr", "PAD_BLOCK": "constexpr",
 }
 KV_SIG = {
     "kv_ptr": None, "src_ptr": "*i64", "dst_ptr": "*i64", "num_moves": "i32",
@@ -95,8 +95,10 @@ def main() -> int:
     variants = []
     for has_root in (True, False):
         for block in (2, 64, 256, 1024):
-            variants.append(("tree", _build_tree_kernel, TREE_SIG, {(11,): has_root, (12,): block},
-                             {"num_warps": 1 if block < 256 else 4}))
+            for pad_block in (0, 64):
+                variants.append(("tree", _build_tree_kernel, TREE_SIG,
+                                 {(12,): has_root, (13,): block, (14,): pad_block},
+                                 {"num_warps": 1 if block < 256 else 4}))
     for dtype in ("*bf16", "*fp8e4nv", "*i64"):
         for bm, be in ((1, 2048), (16, 128), (64, 64)):
             sig = dict(KV_SIG, kv_ptr=dtype)

@@ -310,6 +310,37 @@ def test_tokens_per_step_must_be_a_positive_integer(model_dirs, target_config):
               ddtree_tokens_per_step=1)
 
 
+def test_disable_by_batch_size_ends_the_schedule_with_budget_zero(model_dirs, target_config):
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                 ddtree_tokens_per_step=512, ddtree_disable_by_batch_size=16)
+    assert spec.num_speculative_tokens_per_batch_size == [
+        (1, 7, 64), (8, 15, 32), (16, 1 << 20, 0)]
+    alone = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+                  ddtree_disable_by_batch_size=4)
+    assert alone.num_speculative_tokens_per_batch_size == [(1, 3, 32), (4, 1 << 20, 0)]
+    assert alone.uses_dynamic_speculative_decoding()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ddtree_disable_by_batch_size=1), "ddtree_disable_by_batch_size=1 is out of range"),
+    (dict(ddtree_disable_by_batch_size=2.5), "ddtree_disable_by_batch_size"),
+    (dict(ddtree_disable_by_batch_size=8,
+          num_speculative_tokens_per_batch_size=[(1, 8, 32), (9, 64, 8)]), "not both"),
+])
+def test_bad_disable_by_batch_size_names_the_setting(model_dirs, target_config, options, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32, **options)
+
+
+def test_disable_by_batch_size_needs_async_scheduling(model_dirs, target_config, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+                 ddtree_disable_by_batch_size=8)
+    with pytest.raises(DDTreeConfigError, match="ddtree_disable_by_batch_size"):
+        validate_ddtree_vllm_config(_engine_config(
+            target_config, spec, scheduler_config=_scheduler(target_config, False)))
+
+
 def _scheduler(target_config, async_scheduling):
     return SchedulerConfig(
         max_model_len=target_config.max_model_len, is_encoder_decoder=False,

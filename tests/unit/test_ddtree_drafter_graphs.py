@@ -39,6 +39,7 @@ def test_ddtree_builds_the_drafter_manager_without_the_schedule(monkeypatch):
     monkeypatch.setattr(DFlashSpeculator, "init_cudagraph_manager", fake_init)
     fake = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU set-up
     fake.vllm_config = types.SimpleNamespace(speculative_config=spec)
+    fake._drafting_budget = None  # lean drafting off: nothing to derive from the graphs
     DDTreeSpeculator.init_cudagraph_manager(fake, CUDAGraphMode.FULL_DECODE_ONLY)
     assert seen == [(CUDAGraphMode.FULL_DECODE_ONLY, None)]
     assert spec.num_speculative_tokens_per_batch_size is schedule  # restored

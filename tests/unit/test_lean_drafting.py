@@ -1,0 +1,214 @@
+"""Lean drafting: the drafter's logits and tree follow the step's batch-aware budget.
+
+A tree of B best-first nodes uses at most B positions and B candidates per position,
+so drafting ``draft_shape(B, D, K)`` gives exactly the first B nodes of the full tree;
+budget 0 drafts nothing; a drafter CUDA graph drafts the largest budget among the
+batch sizes padded up to it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_ddtree.budget import (
+    OPEN_END,
+    budget_schedule,
+    disable_from_batch_size,
+    draft_shape,
+    drafting_budgets,
+    expand_schedule,
+)
+from vllm_ddtree.tree_builder import DDTree, build_tree_reference, build_trees, empty_tree
+
+
+def test_draft_shape_is_bounded_by_the_budget():
+    assert draft_shape(64, 15, 64) == (15, 64)
+    assert draft_shape(4, 15, 64) == (4, 4)
+    assert draft_shape(32, 15, 8) == (15, 8)
+    assert draft_shape(1, 15, 64) == (1, 1)
+    with pytest.raises(ValueError, match="budget"):
+        draft_shape(0, 15, 64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("small_budget, top_k", [(1, 64), (4, 64), (8, 64), (16, 64), (32, 8), (20, 20)])
+def test_lean_tree_is_the_full_trees_prefix(seed, small_budget, top_k):
+    """The claim lean drafting rests on, against the heapq definition: the tree built
+    from the first draft_shape() positions and candidates equals the first B + 1 nodes
+    of the full tree (random logits: no ties at the K-th candidate)."""
+    gen = torch.Generator().manual_seed(seed)
+    R, D, V, B = 3, 15, 80, 64
+    logits = torch.randn(R, D, V, generator=gen) * 2.0
+    full = build_tree_reference(logits, B, top_k)
+    depth, k = draft_shape(small_budget, D, top_k)
+    lean = build_tree_reference(logits[:, :depth], small_budget, k)
+    for name, a, b in zip(DDTree._fields, full, lean):
+        assert torch.equal(a[:, : small_budget + 1], b), name
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_smaller_tree_in_wider_buffers_pads_the_rest(triton_device, backend):
+    if backend == "torch":
+        device = torch.device("cpu")
+    else:
+        device = triton_device
+    gen = torch.Generator().manual_seed(5)
+    R, D, V = 3, 4, 30
+    logits = torch.randn(R, D, V, generator=gen)
+    out = empty_tree(R, 64, device)
+    for t in out:  # stale contents, as left by a bigger tree of an earlier step
+        t.fill_(7 if t.dtype != torch.bool else True)
+    build_trees(logits.to(device), 5, 3, out=out, backend=backend)
+    ref = build_tree_reference(logits, 5, 3)
+    for name, a, b in zip(DDTree._fields, ref, out):
+        assert torch.equal(a, b[:, :6].cpu()), name
+    tokens, parents, depths, valid, scores = (t[:, 6:].cpu() for t in out)
+    assert not valid.any()
+    assert (tokens == 0).all() and (parents == 0).all() and (depths == 1).all()
+    assert torch.isinf(scores).all() and (scores < 0).all()
+
+
+def test_buffers_narrower_than_the_budget_are_refused():
+    with pytest.raises(ValueError, match="fewer than budget"):
+        build_trees(torch.randn(2, 3, 10), 8, out=empty_tree(2, 4), backend="torch")
+
+
+def test_disable_from_batch_size():
+    schedule = budget_schedule(512, 64)
+    assert disable_from_batch_size(schedule, 64, 16) == [
+        (1, 7, 64), (8, 15, 32), (16, OPEN_END, 0)]
+    assert disable_from_batch_size(schedule, 64, 12) == [
+        (1, 7, 64), (8, 11, 32), (12, OPEN_END, 0)]
+    assert disable_from_batch_size(None, 32, 4) == [(1, 3, 32), (4, OPEN_END, 0)]
+    table = expand_schedule(disable_from_batch_size(None, 32, 4), 6)
+    assert table == [0, 32, 32, 32, 0, 0, 0]
+    with pytest.raises(ValueError, match="first_disabled"):
+        disable_from_batch_size(None, 32, 1)
+
+
+def test_drafting_budgets_cover_graph_padding():
+    # Scheduler budgets by batch size 1..8 (index 0 unused).
+    lookup = [0, 64, 64, 32, 32, 16, 16, 0, 0]
+    # No graphs: every size drafts its own budget.
+    assert drafting_budgets(lookup, []) == lookup
+    # Graphs for 1, 2, 4, 8 requests: 3 pads to 4, 5..7 pad to 8.
+    assert drafting_budgets(lookup, [8, 1, 2, 4]) == [0, 64, 64, 32, 32, 16, 16, 0, 16]
+    # A graph bigger than the table is ignored; a graph of every size changes nothing.
+    assert drafting_budgets(lookup, range(1, 20)) == lookup
+
+
+# --- the speculator's drafting step, with a fake drafter --------------------------------
+
+vllm = pytest.importorskip("vllm")
+
+
+def _fake_speculator(drafting_budget, *, max_reqs=6, budget=64, depth=15, top_k=64, vocab=40):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    gen = torch.Generator().manual_seed(11)
+    hidden_size = 12
+    query = 1 + depth
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU, no engine
+    spec.tree_budget, spec.tree_depth, spec.tree_top_k = budget, depth, top_k
+    spec.max_num_reqs = max_reqs
+    spec.trees = empty_tree(max_reqs, budget, "cpu")
+    spec.draft_tokens = torch.full((max_reqs, budget), -1, dtype=torch.int64)
+    # Request r's masked positions sit at rows r * query + 1 .. r * query + depth.
+    spec.sample_indices = torch.tensor(
+        [r * query + 1 + c for r in range(max_reqs) for c in range(depth)])
+    spec._profiling_draft = False
+    spec._drafting_budget = drafting_budget
+    hidden = torch.randn(max_reqs * query, hidden_size, generator=gen)
+    weight = torch.randn(hidden_size, vocab, generator=gen)
+    calls = {"run_model": 0, "logit_rows": []}
+
+    def run_model(*args, **kwargs):
+        calls["run_model"] += 1
+        return hidden
+
+    def compute_logits(h):
+        calls["logit_rows"].append(h.shape[0])
+        return h @ weight
+
+    spec._run_model = run_model
+    spec.model = types.SimpleNamespace(compute_logits=compute_logits)
+    full_logits = (hidden[spec.sample_indices] @ weight).view(max_reqs, depth, vocab)
+    return spec, calls, full_logits
+
+
+def _draft(spec, num_reqs):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * (1 + spec.tree_depth),
+                                     None, None, None)
+
+
+@pytest.mark.parametrize("num_reqs, budget", [(2, 64), (3, 4), (4, 1)])
+def test_generate_draft_computes_only_what_the_budget_needs(num_reqs, budget):
+    table = [0, 64, 64, 4, 1, 0, 0]
+    spec, calls, full_logits = _fake_speculator(table)
+    _draft(spec, num_reqs)
+    depth, k = draft_shape(budget, 15, 64)
+    assert calls["logit_rows"] == [num_reqs * depth]
+    full = build_tree_reference(full_logits[:num_reqs], 64, 64)
+    for name, a, b in zip(DDTree._fields, full, spec.trees):
+        assert torch.equal(a[:, : budget + 1], b[:num_reqs, : budget + 1]), name
+    assert not spec.trees.node_valid[:num_reqs, budget + 1:].any()
+    assert torch.equal(spec.draft_tokens[:num_reqs], spec.trees.node_tokens[:num_reqs, 1:])
+
+
+def test_generate_draft_with_lean_drafting_off_drafts_the_full_tree():
+    spec, calls, full_logits = _fake_speculator(None)
+    _draft(spec, 4)
+    assert calls["logit_rows"] == [4 * 15]
+    full = build_tree_reference(full_logits[:4], 64, 64)
+    for name, a, b in zip(DDTree._fields, full, spec.trees):
+        assert torch.equal(a, b[:4]), name
+
+
+def test_budget_zero_skips_the_drafter_forward_and_empties_the_trees():
+    spec, calls, _ = _fake_speculator([0, 64, 64, 4, 1, 0, 0])
+    _draft(spec, 3)  # leaves real trees in the buffers
+    calls["logit_rows"].clear()
+    runs = calls["run_model"]
+    _draft(spec, 5)
+    assert calls["run_model"] == runs and calls["logit_rows"] == []
+    assert spec.trees.node_valid[:5, 0].all() and not spec.trees.node_valid[:5, 1:].any()
+    assert (spec.trees.node_parents[:5, 0] == -1).all() and (spec.trees.node_depths[:5, 0] == 0).all()
+    assert (spec.trees.node_tokens[:5, 1:] == 0).all() and (spec.trees.node_depths[:5, 1:] == 1).all()
+    assert (spec.draft_tokens[:5] == 0).all()
+
+
+def test_memory_profiling_drafts_the_full_tree():
+    spec, calls, _ = _fake_speculator([0, 64, 64, 4, 1, 0, 0])
+    spec._profiling_draft = True
+    _draft(spec, 5)
+    assert calls["logit_rows"] == [5 * 15]
+
+
+def test_drafter_graph_sizes_are_read_from_vllms_manager():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.max_num_reqs = 32
+    desc = lambda n: types.SimpleNamespace(num_reqs=n)  # noqa: E731
+    spec.query_cudagraph_manager = types.SimpleNamespace(_capture_descs={
+        CUDAGraphMode.FULL: [desc(4), desc(2), desc(1)],
+        CUDAGraphMode.PIECEWISE: [desc(None)],
+    })
+    assert sorted(DDTreeSpeculator._drafter_graph_batch_sizes(spec)) == [1, 2, 4]
+    # An unexpected manager layout: assume everything pads up to the largest batch.
+    spec.query_cudagraph_manager = types.SimpleNamespace()
+    assert DDTreeSpeculator._drafter_graph_batch_sizes(spec) == [32]
+
+
+def test_budget_ranges_for_the_log():
+    from vllm_ddtree.speculator import _ranges
+
+    assert _ranges([0, 64, 64, 32, 0]) == "1-2: 64, 3: 32, 4: 0"
+    assert _ranges([0, 8]) == "1: 8"
