@@ -36,6 +36,7 @@ import gc
 import hashlib
 import json
 import math
+import re
 import os
 import random
 import subprocess
@@ -60,12 +61,15 @@ DFLASH_CHAIN_TOKENS = 15  # a block-16 drafter predicts 15 tokens per pass
 class BenchConfig:
     """One engine: ``no-spec``, ``dflash`` (the chain, K=15) or ``ddtree-b<B>``;
     a ``-t<T>`` suffix makes the budget batch-aware: about T verified tokens per
-    forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K)."""
+    forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K); a
+    ``-d<N>`` suffix stops drafting from N running requests on (budget 0:
+    ``ddtree_disable_by_batch_size``; for the chain, the same schedule)."""
 
     name: str
     method: str | None
     num_speculative_tokens: int = 0
     tokens_per_step: int | None = None
+    disable_by_batch_size: int | None = None
     # Environment for the engine (its engine-core process inherits it at start).
     env: tuple[tuple[str, str], ...] = ()
 
@@ -77,15 +81,22 @@ class BenchConfig:
             "model": drafter,
             "num_speculative_tokens": self.num_speculative_tokens,
         }
-        if self.tokens_per_step is not None:
-            if self.method == "ddtree":
+        if self.method == "ddtree":
+            if self.tokens_per_step is not None:
                 spec["ddtree_tokens_per_step"] = self.tokens_per_step
-            else:
-                from vllm_ddtree.budget import budget_schedule
+            if self.disable_by_batch_size is not None:
+                spec["ddtree_disable_by_batch_size"] = self.disable_by_batch_size
+            return spec
+        from vllm_ddtree.budget import budget_schedule, disable_from_batch_size
 
-                spec["num_speculative_tokens_per_batch_size"] = [
-                    list(r) for r in budget_schedule(self.tokens_per_step,
-                                                     self.num_speculative_tokens)]
+        schedule = None
+        if self.tokens_per_step is not None:
+            schedule = budget_schedule(self.tokens_per_step, self.num_speculative_tokens)
+        if self.disable_by_batch_size is not None:
+            schedule = disable_from_batch_size(schedule, self.num_speculative_tokens,
+                                               self.disable_by_batch_size)
+        if schedule is not None:
+            spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
         return spec
 
 
@@ -93,7 +104,9 @@ class BenchConfig:
 # only in it can be measured side by side (e.g. ddtree-b64-t512 ddtree-b64-t512+tritonlaunch;
 # the direct launcher is on by default since session 5, "+direct" names it explicitly).
 CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
-                "tritonlaunch": ("VLLM_DDTREE_DIRECT_LAUNCH", "0")}
+                "tritonlaunch": ("VLLM_DDTREE_DIRECT_LAUNCH", "0"),
+                # the drafter drafts the full tree at every batch size (before session 6)
+                "fulldraft": ("VLLM_DDTREE_LEAN_DRAFT", "0")}
 
 
 def parse_config(name: str) -> BenchConfig:
@@ -106,27 +119,33 @@ def parse_config(name: str) -> BenchConfig:
     return replace(cfg, name=name, env=tuple(CONFIG_FLAGS[f] for f in flags))
 
 
+_CONFIG_NAME = re.compile(r"(?P<base>no-spec|dflash|ddtree-b(?P<budget>\d+))"
+                          r"(?:-t(?P<tokens>\d+))?(?:-d(?P<disable>\d+))?")
+
+
 def _parse_core_config(name: str) -> BenchConfig:
-    base, _, tail = name.partition("-t")
-    tokens = None
-    if tail:
-        tokens = int(tail) if tail.isdigit() else 0
-        if tokens < 2:
-            raise ValueError(f"bad benchmark config {name!r}: -t<tokens per step> needs "
-                             "an integer >= 2")
-    if base == "no-spec" and tokens is None:
+    m = _CONFIG_NAME.fullmatch(name)
+    if m is None or (m["base"] == "no-spec" and (m["tokens"] or m["disable"])) or (
+        m["budget"] is not None and int(m["budget"]) < 1
+    ):
+        raise ValueError(
+            f"unknown benchmark config {name!r}: use no-spec, dflash[-t<T>][-d<N>] or "
+            "ddtree-b<budget>[-t<T>][-d<N>] (e.g. ddtree-b32, ddtree-b64-t512, "
+            "ddtree-b64-t512-d16)"
+        )
+    tokens = int(m["tokens"]) if m["tokens"] else None
+    if tokens is not None and tokens < 2:
+        raise ValueError(f"bad benchmark config {name!r}: -t<tokens per step> needs "
+                         "an integer >= 2")
+    disable = int(m["disable"]) if m["disable"] else None
+    if disable is not None and disable < 2:
+        raise ValueError(f"bad benchmark config {name!r}: -d<first batch size without "
+                         "drafts> needs an integer >= 2")
+    if m["base"] == "no-spec":
         return BenchConfig(name, None)
-    if base == "dflash":
-        return BenchConfig(name, "dflash", DFLASH_CHAIN_TOKENS, tokens)
-    if base.startswith("ddtree-b"):
-        digits = base[len("ddtree-b"):]
-        budget = int(digits) if digits.isdigit() else 0
-        if budget >= 1:
-            return BenchConfig(name, "ddtree", budget, tokens)
-    raise ValueError(
-        f"unknown benchmark config {name!r}: use no-spec, dflash[-t<T>] or "
-        "ddtree-b<budget>[-t<T>] (e.g. ddtree-b32, ddtree-b64-t512)"
-    )
+    if m["base"] == "dflash":
+        return BenchConfig(name, "dflash", DFLASH_CHAIN_TOKENS, tokens, disable)
+    return BenchConfig(name, "ddtree", int(m["budget"]), tokens, disable)
 
 
 @dataclass

@@ -27,6 +27,17 @@ def test_configs_parse_to_speculative_configs():
                     "ddtree_tokens_per_step": 512}
     chain = parse_config("dflash-t512").speculative_config("d")
     assert chain["num_speculative_tokens_per_batch_size"][0] == [1, 32, 15]
+    off = parse_config("ddtree-b64-t512-d16").speculative_config("d")
+    assert off == dict(tree, ddtree_disable_by_batch_size=16)
+    assert parse_config("ddtree-b32-d4").speculative_config("d") == {
+        "method": "ddtree", "model": "d", "num_speculative_tokens": 32,
+        "ddtree_disable_by_batch_size": 4}
+    # The chain gets the same policy as a schedule.
+    chain_off = parse_config("dflash-t512-d40").speculative_config("d")
+    assert chain_off["num_speculative_tokens_per_batch_size"] == [
+        [1, 32, 15], [33, 39, 8], [40, 1 << 20, 0]]
+    assert parse_config("dflash-d8").speculative_config("d")[
+        "num_speculative_tokens_per_batch_size"] == [[1, 7, 15], [8, 1 << 20, 0]]
 
 
 def test_a_config_flag_sets_engine_environment_only():
@@ -35,12 +46,14 @@ def test_a_config_flag_sets_engine_environment_only():
     assert direct.env == (("VLLM_DDTREE_DIRECT_LAUNCH", "1"),)
     assert direct.speculative_config("d") == plain.speculative_config("d")
     assert parse_config("ddtree-b32+tritonlaunch").env == (("VLLM_DDTREE_DIRECT_LAUNCH", "0"),)
+    assert parse_config("ddtree-b64-t512+fulldraft").env == (("VLLM_DDTREE_LEAN_DRAFT", "0"),)
     with pytest.raises(ValueError, match="flags"):
         parse_config("ddtree-b32+turbo")
 
 
 @pytest.mark.parametrize("name", ["ddtree", "ddtree-b0", "ddtree-bx", "no-spec-t4",
-                                  "ddtree-b8-t1", "eagle"])
+                                  "ddtree-b8-t1", "eagle", "ddtree-b8-d1", "no-spec-d4",
+                                  "ddtree-b8-d4-t16", "dflash-dx"])
 def test_bad_config_names_are_refused(name):
     with pytest.raises(ValueError, match="config"):
         parse_config(name)
