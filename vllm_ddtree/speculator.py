@@ -190,6 +190,65 @@ class DDTreeSpeculator(DFlashSpeculator):
             vllm_num_speculative_tokens=self.tree_budget,
         )
 
+    def _scheduled_budget(self, num_reqs: int) -> int:
+        """The tree budget the scheduler verifies after a step of ``num_reqs``
+        requests (async scheduling places K(num_reqs) draft slots for the next step)."""
+        if self._budget_by_batch is None:
+            return self.tree_budget
+        return self._budget_by_batch[min(num_reqs, self.max_num_reqs)]
+
+    def _store_drafter_context_only(
+        self,
+        input_batch: InputBatch,
+        hidden_states: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+    ) -> None:
+        """The context half of DFlash's propose(): the target's hidden states of this
+        step's tokens into the drafter's KV cache (vLLM 0.26's
+        ``prepare_dflash_inputs`` + ``precompute_and_store_context_kv``), without
+        the query forward. Trees of these requests become root-only, so none that
+        sits out steps keeps an old tree."""
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
+        num_tokens = input_batch.num_tokens
+        for i, gid in enumerate(self.draft_kv_cache_group_ids):
+            prepare_dflash_inputs(
+                self.input_buffers,
+                self.block_tables.slot_mappings[gid],
+                self.context_positions,
+                self._context_slot_mappings[i],
+                self.sample_indices,
+                self.sample_pos,
+                self.sample_idx_mapping,
+                input_batch,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                self.block_tables.input_block_tables[gid],
+                self.block_tables.kernel_block_sizes[gid],
+                self.parallel_drafting_token_id,
+                self.num_query_per_req,
+                self.num_speculative_steps,
+                self.max_num_reqs,
+                self.max_num_tokens,
+                self.max_model_len,
+                self.sample_from_anchor,
+            )
+        if self._layer_group_idx is not None:
+            context_slots = [
+                self._context_slot_mappings[g][:num_tokens] for g in self._layer_group_idx
+            ]
+        else:
+            context_slots = self._context_slot_mappings[0][:num_tokens]
+        self.model.precompute_and_store_context_kv(
+            hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
+        )
+        self.valid_by_state[input_batch.idx_mapping, 1:] = False
+
     def _draft_budget(self, num_reqs: int) -> int:
         """Tree budget to draft for a drafter batch of ``num_reqs`` (padded) requests."""
         if self._profiling_draft or self._drafting_budget is None:
@@ -435,6 +494,19 @@ class DDTreeSpeculator(DFlashSpeculator):
             profiler.mark("compacted")
         self._pending_compaction = False
         self._verified_rows = None
+
+        if not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0:
+            # No drafts at this batch size: the scheduler verifies none next step.
+            # Store the drafter's context (so drafting resumes at full acceptance
+            # when the batch shrinks) and skip the drafter's query forward, its
+            # attention metadata and the trees.
+            self._store_drafter_context_only(
+                input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens,
+            )
+            if profiler is not None:
+                profiler.mark("drafted")
+            return self.draft_tokens[: input_batch.num_reqs]
 
         self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
         try:

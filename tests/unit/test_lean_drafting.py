@@ -62,7 +62,7 @@ def test_a_smaller_tree_in_wider_buffers_pads_the_rest(triton_device, backend):
     for t in out:  # stale contents, as left by a bigger tree of an earlier step
         t.fill_(7 if t.dtype != torch.bool else True)
     build_trees(logits.to(device), 5, 3, out=out, backend=backend)
-    ref = build_tree_reference(logits, 5, 3)
+    ref = build_tree_reference(logits.to(device), 5, 3)  # same device's normaliser
     for name, a, b in zip(DDTree._fields, ref, out):
         assert torch.equal(a, b[:, :6].cpu()), name
     tokens, parents, depths, valid, scores = (t[:, 6:].cpu() for t in out)
@@ -212,3 +212,77 @@ def test_budget_ranges_for_the_log():
 
     assert _ranges([0, 64, 64, 32, 0]) == "1-2: 64, 3: 32, 4: 0"
     assert _ranges([0, 8]) == "1: 8"
+
+
+def _context_only_fake(monkeypatch, budget_by_batch):
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_module
+
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    calls = {"prepare": [], "store": [], "super": 0}
+    monkeypatch.setattr(dflash_module, "prepare_dflash_inputs",
+                        lambda *args: calls["prepare"].append(args))
+
+    def super_propose(self, *args, **kwargs):
+        calls["super"] += 1
+        return self.draft_tokens[:2]
+
+    monkeypatch.setattr(dflash_module.DFlashSpeculator, "propose", super_propose)
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.tree_budget, spec.max_num_reqs = 8, 4
+    spec._budget_by_batch = budget_by_batch
+    spec._drafting_budget = budget_by_batch
+    spec.profiler = None
+    spec._pending_compaction = False
+    spec._verified_rows = None
+    spec._profiling_draft = False
+    spec.draft_tokens = torch.zeros(4, 8, dtype=torch.int64)
+    spec.valid_by_state = torch.ones(6, 9, dtype=torch.bool)
+    spec.draft_kv_cache_group_ids = [0]
+    spec.block_tables = types.SimpleNamespace(
+        slot_mappings=[torch.zeros(16)], input_block_tables=["bt"], kernel_block_sizes=[16])
+    spec._context_slot_mappings = torch.arange(32).view(1, 32)
+    spec._layer_group_idx = None
+    spec.context_positions = torch.arange(32)
+    for name in ("input_buffers", "sample_indices", "sample_pos", "sample_idx_mapping",
+                 "parallel_drafting_token_id", "num_query_per_req", "num_speculative_steps",
+                 "max_num_tokens", "max_model_len", "sample_from_anchor"):
+        setattr(spec, name, name)
+    spec.model = types.SimpleNamespace(
+        precompute_and_store_context_kv=lambda h, pos, slots: calls["store"].append(
+            (h.clone(), pos.clone(), slots.clone())))
+    spec._store_trees = lambda idx: None
+    return spec, calls
+
+
+def _propose(spec, num_reqs, hidden):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=hidden.shape[0],
+                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs]))
+    z = torch.zeros(num_reqs)
+    return DDTreeSpeculator.propose(spec, batch, {}, {}, hidden, None, z, z, z, z, z, z)
+
+
+def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    hidden = torch.randn(3, 5)
+    _propose(spec, 3, hidden)
+    assert calls["super"] == 0, "no drafter query forward at budget 0"
+    assert len(calls["prepare"]) == 1
+    (h, pos, slots), = calls["store"]
+    assert torch.equal(h, hidden) and torch.equal(pos, torch.arange(3))
+    assert torch.equal(slots, torch.arange(3))
+    # The three requests' trees are root-only now; other states untouched.
+    assert not spec.valid_by_state[[5, 1, 3], 1:].any()
+    assert spec.valid_by_state[[5, 1, 3], 0].all() and spec.valid_by_state[[0, 2, 4]].all()
+
+
+def test_batches_with_a_budget_draft_as_usual(monkeypatch):
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    _propose(spec, 2, torch.randn(2, 5))
+    assert calls["super"] == 1 and calls["store"] == [] and spec.valid_by_state.all()
+    # Without a schedule every batch size drafts.
+    spec, calls = _context_only_fake(monkeypatch, None)
+    _propose(spec, 3, torch.randn(3, 5))
+    assert calls["super"] == 1 and calls["store"] == []

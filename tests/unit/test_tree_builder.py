@@ -58,9 +58,12 @@ def _check_structure(tree: DDTree, depth_max: int, k: int) -> None:
 
 
 def _run_all(logits, budget, top_k=None, root_tokens=None, device="cpu"):
-    ref = build_tree_reference(logits, budget, top_k, root_tokens=root_tokens)
     dev_logits = logits.to(device)
     dev_root = None if root_tokens is None else root_tokens.to(device)
+    # The reference reads the log-normaliser of the same device as the fast paths (on
+    # CUDA a Triton kernel, on the CPU torch.logsumexp: they may differ in the last
+    # bit), so that scores compare bitwise.
+    ref = build_tree_reference(dev_logits, budget, top_k, root_tokens=dev_root)
     tri = build_trees(dev_logits, budget, top_k, root_tokens=dev_root, backend="triton")
     tor = build_trees(dev_logits, budget, top_k, root_tokens=dev_root, backend="torch")
     return ref, tri, tor
@@ -206,7 +209,7 @@ def test_root_tokens_and_out_buffers(triton_device):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 4, 20, generator=gen)
     roots = torch.tensor([11, 12, 13])
-    ref = build_tree_reference(logits, 9, root_tokens=roots)
+    ref = build_tree_reference(logits.to(triton_device), 9, root_tokens=roots)
     assert ref.node_tokens[:, 0].tolist() == [11, 12, 13]
     for backend in ("triton", "torch"):
         out = empty_tree(3, 9, triton_device)
@@ -218,7 +221,8 @@ def test_root_tokens_and_out_buffers(triton_device):
         # reuse the buffers with other logits (what a CUDA graph replay does)
         logits2 = torch.randn(3, 4, 20, generator=gen)
         build_trees(logits2.to(triton_device), 9, root_tokens=roots.to(triton_device), out=out, backend=backend)
-        _assert_same_tree(build_tree_reference(logits2, 9, root_tokens=roots), out, backend)
+        _assert_same_tree(build_tree_reference(logits2.to(triton_device), 9, root_tokens=roots),
+                          out, backend)
 
 
 def test_half_precision_logits(triton_device):
