@@ -467,7 +467,10 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
     if args.profile_dir and cfg.method == "ddtree":
         # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile).
         os.makedirs(args.profile_dir, exist_ok=True)
-        profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{cfg.name}.json")
+        # "+" (config flags) is not a safe file-name character for every tool that
+        # carries results back (the GPU host's tool refuses it): "+x" -> "_x".
+        safe_name = cfg.name.replace("+", "_")
+        profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{safe_name}.json")
         engine_env["VLLM_DDTREE_PROFILE"] = profile
     saved = {k: os.environ.get(k) for k in engine_env}
     os.environ.update(engine_env)
