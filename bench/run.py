@@ -105,7 +105,9 @@ class BenchConfig:
 # the direct launcher is on by default since session 5, "+direct" names it explicitly).
 CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 "tritonlaunch": ("VLLM_DDTREE_DIRECT_LAUNCH", "0"),
-                # the drafter drafts the full tree at every batch size (before session 6)
+                # drafter logits and tree bounded by the step's budget (opt-in) ...
+                "lean": ("VLLM_DDTREE_LEAN_DRAFT", "1"),
+                # ... or the full tree at every batch size (the default)
                 "fulldraft": ("VLLM_DDTREE_LEAN_DRAFT", "0")}
 
 

@@ -13,6 +13,7 @@ target forward.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="chain configurations; ratios use the best of them per cell")
     ap.add_argument("--baseline", default="no-spec")
     args = ap.parse_args(argv)
-    with open(args.result) as f:
+    opener = gzip.open if args.result.endswith(".gz") else open
+    with opener(args.result, "rt") as f:
         doc = json.load(f)
     try:
         print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))

@@ -76,19 +76,20 @@ def fused_kernels_enabled() -> bool:
     return _env_flag(FUSED_KERNELS_ENV)
 
 
-# The drafter computes logits and builds trees only as deep and wide as the step's
-# batch-aware budget needs (vllm_ddtree.budget.draft_shape). VLLM_DDTREE_LEAN_DRAFT=0
-# drafts the full tree at every batch size (the earlier behaviour; same verified trees
-# up to top-K ties), e.g. to measure what the lean drafter saves.
+# VLLM_DDTREE_LEAN_DRAFT=1: the drafter computes logits and builds trees only as deep
+# and wide as the step's batch-aware budget needs (vllm_ddtree.budget.draft_shape; the
+# verified trees are the same up to top-K ties). Off by default: on the H200 with the
+# benchmark pair it made the batch-64 drafting stage slower, not faster (1.97 -> 3.43
+# ms p50, docs/benchmarks.md, session 6), for a reason not yet found.
 LEAN_DRAFT_ENV = "VLLM_DDTREE_LEAN_DRAFT"
 
 
 def lean_draft_enabled() -> bool:
-    return _env_flag(LEAN_DRAFT_ENV)
+    return _env_flag(LEAN_DRAFT_ENV, default="0")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+def _env_flag(name: str, default: str = "1") -> bool:
+    return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
 logger = init_logger(__name__)
 

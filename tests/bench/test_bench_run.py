@@ -47,6 +47,7 @@ def test_a_config_flag_sets_engine_environment_only():
     assert direct.speculative_config("d") == plain.speculative_config("d")
     assert parse_config("ddtree-b32+tritonlaunch").env == (("VLLM_DDTREE_DIRECT_LAUNCH", "0"),)
     assert parse_config("ddtree-b64-t512+fulldraft").env == (("VLLM_DDTREE_LEAN_DRAFT", "0"),)
+    assert parse_config("ddtree-b64-t512+lean").env == (("VLLM_DDTREE_LEAN_DRAFT", "1"),)
     with pytest.raises(ValueError, match="flags"):
         parse_config("ddtree-b32+turbo")
 
