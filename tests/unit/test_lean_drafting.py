@@ -286,3 +286,14 @@ def test_batches_with_a_budget_draft_as_usual(monkeypatch):
     spec, calls = _context_only_fake(monkeypatch, None)
     _propose(spec, 3, torch.randn(3, 5))
     assert calls["super"] == 1 and calls["store"] == []
+
+
+def test_lean_drafting_is_opt_in(monkeypatch):
+    from vllm_ddtree.speculator import LEAN_DRAFT_ENV, lean_draft_enabled
+
+    monkeypatch.delenv(LEAN_DRAFT_ENV, raising=False)
+    assert not lean_draft_enabled()
+    monkeypatch.setenv(LEAN_DRAFT_ENV, "1")
+    assert lean_draft_enabled()
+    monkeypatch.setenv(LEAN_DRAFT_ENV, "off")
+    assert not lean_draft_enabled()
