@@ -340,6 +340,42 @@ def cost_model(results: list[dict], max_slowdown: float = 1.15) -> dict | None:
             "max_slowdown": max_slowdown, "suggested_ddtree_tokens_per_step": knee}
 
 
+def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dict | None:
+    """Where plain decoding overtakes each speculative configuration of a run.
+
+    For every configuration: tokens/s over ``baseline``'s by batch size (each cell,
+    prompt set x temperature) and ``suggested_ddtree_disable_by_batch_size``, the
+    smallest measured batch size from which the configuration is below the baseline
+    in every cell of that and every larger measured batch size (None when it never
+    is). A value for ``ddtree_disable_by_batch_size``; with one run per cell it
+    inherits the run's noise, so read the ratios beside it."""
+    base = {(r["prompt_set"], r["temperature"], r["batch_size"]): r["output_tokens_per_s"]
+            for r in results if r["config"] == baseline and r.get("output_tokens_per_s")}
+    if not base:
+        return None
+    out = {}
+    for cfg in sorted({r["config"] for r in results} - {baseline}):
+        by_batch: dict[int, list[float]] = {}
+        for r in results:
+            key = (r["prompt_set"], r["temperature"], r["batch_size"])
+            if r["config"] == cfg and base.get(key) and r.get("output_tokens_per_s"):
+                by_batch.setdefault(r["batch_size"], []).append(
+                    round(r["output_tokens_per_s"] / base[key], 3))
+        if not by_batch:
+            continue
+        suggestion = None
+        for b in sorted(by_batch, reverse=True):
+            if all(x < 1.0 for x in by_batch[b]):
+                suggestion = b
+            else:
+                break
+        if suggestion == min(by_batch):
+            suggestion = max(suggestion, 2)  # a config below the baseline everywhere
+        out[cfg] = {"ratio_to_baseline_by_batch_size": {str(b): by_batch[b] for b in sorted(by_batch)},
+                    "suggested_ddtree_disable_by_batch_size": suggestion}
+    return {"baseline": baseline, "configs": out}
+
+
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -700,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     rec.doc["wall_s"] = round(time.time() - t_start, 1)
     if suite.dummy:
         rec.doc["cost_model"] = cost_model(rec.doc["results"])
+    else:
+        rec.doc["crossover"] = speculation_crossover(rec.doc["results"])
     rec.save()
     if args.plots:
         from bench.plot import plot_results

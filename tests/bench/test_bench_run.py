@@ -295,3 +295,34 @@ def test_code_digest_changes_with_the_measured_code_only(tmp_path):
     assert code_digest(str(tmp_path)) == first
     (tmp_path / "vllm_ddtree" / "a.py").write_text("x = 2\n")
     assert code_digest(str(tmp_path)) != first
+
+
+def _row(config, batch, tps, prompt_set="humaneval", temperature=0.0):
+    return {"config": config, "prompt_set": prompt_set, "temperature": temperature,
+            "batch_size": batch, "output_tokens_per_s": tps}
+
+
+def test_speculation_crossover_finds_where_plain_decoding_wins():
+    from bench.run import speculation_crossover
+
+    rows = []
+    for t in (0.0, 1.0):
+        rows += [_row("no-spec", b, tps, temperature=t)
+                 for b, tps in ((1, 100), (4, 400), (16, 1600), (64, 6400))]
+        rows += [_row("ddtree", b, tps, temperature=t)
+                 for b, tps in ((1, 150), (4, 420 if t == 0 else 380), (16, 1500), (64, 6000))]
+        rows += [_row("slow", b, 50, temperature=t) for b in (1, 4)]
+    rows.append(_row("no-baseline-cell", 8, 999))
+    doc = speculation_crossover(rows)
+    tree = doc["configs"]["ddtree"]
+    # At batch 4 one cell is above plain decoding: the tree keeps drafting there.
+    assert tree["suggested_ddtree_disable_by_batch_size"] == 16
+    assert tree["ratio_to_baseline_by_batch_size"]["4"] == [1.05, 0.95]
+    # Below plain decoding everywhere: drafting would stop from 2 requests.
+    assert doc["configs"]["slow"]["suggested_ddtree_disable_by_batch_size"] == 2
+    assert "no-baseline-cell" not in doc["configs"]
+    rows_above = [r for r in rows if r["config"] == "no-spec"] + [
+        _row("fast", b, 10 ** 6) for b in (1, 4, 16, 64)]
+    assert speculation_crossover(rows_above)["configs"]["fast"][
+        "suggested_ddtree_disable_by_batch_size"] is None
+    assert speculation_crossover([_row("ddtree", 1, 5)]) is None
