@@ -332,15 +332,6 @@ def test_bad_disable_by_batch_size_names_the_setting(model_dirs, target_config, 
         _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32, **options)
 
 
-def test_disable_by_batch_size_needs_async_scheduling(model_dirs, target_config, monkeypatch):
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
-                 ddtree_disable_by_batch_size=8)
-    with pytest.raises(DDTreeConfigError, match="ddtree_disable_by_batch_size"):
-        validate_ddtree_vllm_config(_engine_config(
-            target_config, spec, scheduler_config=_scheduler(target_config, False)))
-
-
 def _scheduler(target_config, async_scheduling):
     return SchedulerConfig(
         max_model_len=target_config.max_model_len, is_encoder_decoder=False,
@@ -348,10 +339,11 @@ def _scheduler(target_config, async_scheduling):
     )
 
 
-def test_budget_schedule_needs_async_scheduling(model_dirs, target_config, monkeypatch):
+@pytest.mark.parametrize("option", [dict(ddtree_tokens_per_step=256),
+                                    dict(ddtree_disable_by_batch_size=8)])
+def test_budget_schedule_needs_async_scheduling(model_dirs, target_config, monkeypatch, option):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
-                 ddtree_tokens_per_step=256)
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32, **option)
     with pytest.raises(DDTreeConfigError, match="asynchronous scheduling"):
         validate_ddtree_vllm_config(_engine_config(
             target_config, spec, scheduler_config=_scheduler(target_config, False)))
