@@ -9,6 +9,8 @@
 #   DDTREE_MAX_DEPTH        optional tree depth limit (default: drafter block size - 1)
 #   DDTREE_TOKENS_PER_STEP  optional: verified tokens per forward to aim for; the budget then
 #                           shrinks as the batch grows (ddtree_tokens_per_step, >= 2)
+#   DDTREE_DISABLE_BY_BATCH_SIZE  optional: from this many running requests on, decode
+#                           without drafts (ddtree_disable_by_batch_size, >= 2)
 #   SPECULATIVE_CONFIG      raw JSON for --speculative-config, instead of the DDTREE_* variables
 #   TENSOR_PARALLEL_SIZE    GPUs per model replica
 #   PIPELINE_PARALLEL_SIZE  pipeline stages (DDTree does not support more than 1 yet)
@@ -60,13 +62,16 @@ fi
 require_existing_path MODEL
 
 # The settings that shape the DDTree speculative config besides DDTREE_DRAFTER.
-ddtree_settings=(DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP)
+ddtree_settings=(DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP DDTREE_DISABLE_BY_BATCH_SIZE)
 
 for name in "${ddtree_settings[@]}" TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
     require_positive_int "$name"
 done
 if [[ -n ${DDTREE_TOKENS_PER_STEP:-} ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
     die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward), got '$DDTREE_TOKENS_PER_STEP'"
+fi
+if [[ -n ${DDTREE_DISABLE_BY_BATCH_SIZE:-} ]] && ((DDTREE_DISABLE_BY_BATCH_SIZE < 2)); then
+    die "DDTREE_DISABLE_BY_BATCH_SIZE must be at least 2 (at 1 nothing would be drafted), got '$DDTREE_DISABLE_BY_BATCH_SIZE'"
 fi
 
 port=${PORT:-8000}
@@ -112,6 +117,8 @@ if os.environ.get("DDTREE_MAX_DEPTH"):
     config["ddtree_max_depth"] = int(os.environ["DDTREE_MAX_DEPTH"])
 if os.environ.get("DDTREE_TOKENS_PER_STEP"):
     config["ddtree_tokens_per_step"] = int(os.environ["DDTREE_TOKENS_PER_STEP"])
+if os.environ.get("DDTREE_DISABLE_BY_BATCH_SIZE"):
+    config["ddtree_disable_by_batch_size"] = int(os.environ["DDTREE_DISABLE_BY_BATCH_SIZE"])
 print(json.dumps(config))
 ')
 else

@@ -14,7 +14,7 @@ from lint_tools import ROOT
 
 ENTRYPOINT = ROOT / "deploy" / "entrypoint.sh"
 VARIABLES = ("MODEL", "DDTREE_DRAFTER", "DDTREE_BUDGET", "DDTREE_MAX_DEPTH", "DDTREE_TOKENS_PER_STEP",
-             "SPECULATIVE_CONFIG",
+             "DDTREE_DISABLE_BY_BATCH_SIZE", "SPECULATIVE_CONFIG",
              "TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE", "DISTRIBUTED_EXECUTOR_BACKEND", "MAX_MODEL_LEN",
              "GPU_MEMORY_UTILIZATION", "SERVED_MODEL_NAME", "HOST", "PORT", "EXTRA_ARGS", "DRY_RUN")
 
@@ -71,6 +71,13 @@ def test_tokens_per_step_makes_the_budget_batch_aware(models):
     assert config["num_speculative_tokens"] == 64 and config["ddtree_tokens_per_step"] == 128
     assert "ddtree_tokens_per_step" not in json.loads(
         option(command({**models, "DDTREE_BUDGET": "64"}), "--speculative-config"))
+
+
+def test_disable_by_batch_size_is_added_when_set(models):
+    argv = command({**models, "DDTREE_BUDGET": "64", "DDTREE_TOKENS_PER_STEP": "512",
+                    "DDTREE_DISABLE_BY_BATCH_SIZE": "16"})
+    config = json.loads(option(argv, "--speculative-config"))
+    assert config["ddtree_disable_by_batch_size"] == 16 and config["ddtree_tokens_per_step"] == 512
 
 
 def test_print_flag_equals_dry_run_and_args_are_appended(models):
@@ -146,6 +153,10 @@ def test_execs_the_command(tmp_path, models):
         ({"DDTREE_DRAFTER": "@drafter", "DDTREE_BUDGET": "8", "DDTREE_TOKENS_PER_STEP": "many"},
          "DDTREE_TOKENS_PER_STEP must be a positive integer"),
         ({"DDTREE_TOKENS_PER_STEP": "128"}, "DDTREE_TOKENS_PER_STEP is set but DDTREE_DRAFTER is not"),
+        ({"DDTREE_DRAFTER": "@drafter", "DDTREE_BUDGET": "8", "DDTREE_DISABLE_BY_BATCH_SIZE": "1"},
+         "DDTREE_DISABLE_BY_BATCH_SIZE must be at least 2"),
+        ({"DDTREE_DISABLE_BY_BATCH_SIZE": "4"},
+         "DDTREE_DISABLE_BY_BATCH_SIZE is set but DDTREE_DRAFTER is not"),
         ({"SPECULATIVE_CONFIG": "{}", "DDTREE_TOKENS_PER_STEP": "128"},
          "set either SPECULATIVE_CONFIG or DDTREE_TOKENS_PER_STEP, not both"),
         ({"SPECULATIVE_CONFIG": "{bad"}, "SPECULATIVE_CONFIG is not valid JSON"),
