@@ -15,7 +15,8 @@
 #                                      # ddtree-b15 verifies as many tokens as the chain;
 #                                      # BENCH_PROFILE=1 also records DDTree's step profile
 #                                      # (its events cost DDTree host time: off by default)
-#                                      # BENCH_CONFIGS, BENCH_BATCH_SIZES pick engines and sizes
+#                                      # BENCH_CONFIGS, BENCH_BATCH_SIZES pick engines and sizes;
+#                                      # BENCH_REPEATS, BENCH_MIN_REQUESTS fight the noise
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
@@ -128,6 +129,7 @@ case "$step" in
     timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-fixture.json" --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
       --configs "${configs[@]}" ${BENCH_BATCH_SIZES:+--batch-sizes $BENCH_BATCH_SIZES} \
+      ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_MIN_REQUESTS:+--min-requests $BENCH_MIN_REQUESTS} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;

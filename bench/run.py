@@ -39,6 +39,7 @@ import math
 import re
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,13 @@ class SpecCounters:
             [x - y for x, y in zip(a, b)],
         )
 
+    def plus(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.per_pos), len(other.per_pos))
+        a = self.per_pos + [0] * (n - len(self.per_pos))
+        b = other.per_pos + [0] * (n - len(other.per_pos))
+        return SpecCounters(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
+                            self.accepted + other.accepted, [x + y for x, y in zip(a, b)])
+
     def summary(self) -> dict:
         if self.drafts <= 0:
             return {}
@@ -374,6 +382,31 @@ def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dic
         out[cfg] = {"ratio_to_baseline_by_batch_size": {str(b): by_batch[b] for b in sorted(by_batch)},
                     "suggested_ddtree_disable_by_batch_size": suggestion}
     return {"baseline": baseline, "configs": out}
+
+
+REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
+                   "latency_p50_s", "latency_p99_s")
+
+
+def merge_repeats(summaries: list[dict]) -> dict:
+    """One cell measured ``len(summaries)`` times in a row on the same engine: the
+    median of each timing field, every run's tokens/s, and their spread ((max - min)
+    / median), so that a difference between configurations can be read against the
+    noise of the cell itself. One summary is returned unchanged."""
+    if not summaries:
+        raise ValueError("merge_repeats needs at least one summary")
+    if len(summaries) == 1:
+        return summaries[0]
+    merged = dict(summaries[0])
+    for key in REPEATED_FIELDS:
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        merged[key] = _r(statistics.median(values)) if values else None
+    runs = [s["output_tokens_per_s"] for s in summaries]
+    merged["output_tokens_per_s_runs"] = runs
+    med = statistics.median(runs)
+    merged["output_tokens_per_s_spread"] = round((max(runs) - min(runs)) / med, 4) if med else None
+    merged["repeats"] = len(summaries)
+    return merged
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -591,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+")
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--min-requests", type=int)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every cell this many times in a row (median + spread)")
     ap.add_argument("--dtype")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (correctness runs)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -620,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", default=None,
                     help="record DDTree per-stage step times (VLLM_DDTREE_PROFILE) here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
 
     # Read by vLLM when an engine starts; request timestamps are monotonic-clock
     # readings either way, comparable across the two processes.
@@ -705,8 +742,14 @@ def main(argv: list[str] | None = None) -> int:
             for temp in suite.temperatures:
                 for batch in suite.batch_sizes:
                     reqs = prompts[: requests_for(batch, suite.min_requests)]
-                    outs, summary, delta = run_cell(llm, reqs, batch, temp, suite.max_tokens,
-                                                    suite.dummy)
+                    runs, delta = [], SpecCounters()
+                    for i in range(args.repeats):
+                        outs_i, summary_i, delta_i = run_cell(llm, reqs, batch, temp,
+                                                              suite.max_tokens, suite.dummy)
+                        outs = outs_i if i == 0 else outs
+                        runs.append(summary_i)
+                        delta = delta.plus(delta_i)
+                    summary = merge_repeats(runs)
                     entry = dict(config=cfg.name, prompt_set=set_name, batch_size=batch,
                                  temperature=temp, **summary, **delta.summary())
                     if cfg.method is not None and delta.drafts:

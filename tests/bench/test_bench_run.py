@@ -326,3 +326,70 @@ def test_speculation_crossover_finds_where_plain_decoding_wins():
     assert speculation_crossover(rows_above)["configs"]["fast"][
         "suggested_ddtree_disable_by_batch_size"] is None
     assert speculation_crossover([_row("ddtree", 1, 5)]) is None
+
+
+def test_merge_repeats_takes_medians_and_keeps_every_run():
+    from bench.run import merge_repeats
+
+    base = {"num_requests": 8, "output_tokens": 1024, "latency_p50_s": 0.3,
+            "latency_p99_s": 0.4, "time_per_output_token_ms": 2.0}
+    runs = [dict(base, wall_s=w, output_tokens_per_s=round(1024 / w, 2)) for w in (2.0, 1.0, 4.0)]
+    merged = merge_repeats(runs)
+    assert merged["wall_s"] == 2.0 and merged["output_tokens_per_s"] == 512.0
+    assert merged["output_tokens_per_s_runs"] == [512.0, 1024.0, 256.0]
+    assert merged["output_tokens_per_s_spread"] == 1.5 and merged["repeats"] == 3
+    assert merged["num_requests"] == 8
+    assert merge_repeats(runs[:1]) is runs[0]
+    with pytest.raises(ValueError):
+        merge_repeats([])
+
+
+def test_spec_counters_add_up_over_repeats():
+    from bench.run import SpecCounters
+
+    total = SpecCounters(2, 30, 3, [2, 1]).plus(SpecCounters(1, 15, 2, [1, 0, 1]))
+    assert total == SpecCounters(3, 45, 5, [3, 1, 1])
+    assert total.summary()["tau"] == round(1 + 5 / 3, 4)
+
+
+def test_repeats_must_be_positive(tmp_path):
+    from bench.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "r.json"), "--repeats", "0"])
+
+
+def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
+    """The whole loop of bench/run.py with the engine and the measurement faked: every
+    cell is run --repeats times, its timings merged, its spec counters summed."""
+    import json
+    import types
+
+    import bench.run as run
+
+    calls = []
+    fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+    monkeypatch.setattr(run, "_engine", lambda args, suite, target, drafter, cfg: (fake_llm, None))
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+
+    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy):
+        calls.append((len(prompts), batch, temperature, max_tokens))
+        wall = 1.0 + 0.5 * (len(calls) % 2)
+        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
+                                   [wall] * len(prompts), [0.002] * len(prompts))
+        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+
+    monkeypatch.setattr(run, "run_cell", fake_run_cell)
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "dflash",
+                     "--batch-sizes", "1", "2", "--temperatures", "0", "--max-tokens", "4",
+                     "--repeats", "3"]) == 0
+    doc = json.loads(out.read_text())
+    cells = doc["results"]
+    assert [c["batch_size"] for c in cells] == [1, 2]
+    assert all(c["repeats"] == 3 and len(c["output_tokens_per_s_runs"]) == 3 for c in cells)
+    # Spec counters summed over the three runs: 6 drafts, 3 accepted -> tau 1.5.
+    assert all(c["tau"] == 1.5 for c in cells)
+    measured = [c for c in calls if c[3] == 4]
+    assert len(measured) == 2 * 3
