@@ -11,6 +11,10 @@ timeline:
     runner_gap       the runner's bookkeeping between the two    walked -> propose
     compaction       accepted path's KV / hidden states / pos.   propose -> compacted
     draft_tree       DFlash drafter pass + best-first tree build  compacted -> drafted
+                     (a step without drafts: the drafter's context store only)
+    to_propose       everything before the drafter: target forward, sampling (and
+                     the walk); the only forward-side stage of a step without drafts,
+                     which has no sample/walked marks             verify -> propose
     step             one whole step (verify to next verify)       verify -> next verify
 
 When the CPU falls behind, the GPU idles between events and the gap lands in the
@@ -37,6 +41,7 @@ STAGES = (
     ("runner_gap", "walked", "propose"),
     ("compaction", "propose", "compacted"),
     ("draft_tree", "compacted", "drafted"),
+    ("to_propose", "verify", "propose"),
 )
 ENV = "VLLM_DDTREE_PROFILE"
 

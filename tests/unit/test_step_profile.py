@@ -53,6 +53,7 @@ def test_stages_by_batch_size(fake_cuda, tmp_path):
     assert b4["verify_forward"]["mean"] == 5
     assert b4["draft_tree"]["mean"] == 2
     assert b4["step"]["mean"] == 9 and b4["step"]["n"] == 3
+    assert b4["to_propose"]["mean"] == 6.5  # forward + sample/walk + runner gap
     assert summary["by_batch_size"]["16"]["step"]["mean"] == 11
     # Host times of the same stages (here the fake host clock runs with the GPU's).
     assert b4["host_verify_forward"]["mean"] == pytest.approx(5)
@@ -77,3 +78,17 @@ def test_unfinished_events_wait(fake_cuda, tmp_path, monkeypatch):
 def test_off_by_default(monkeypatch):
     monkeypatch.delenv(step_profile.ENV, raising=False)
     assert StepProfiler.from_env() is None
+
+
+def test_a_step_without_drafts_still_splits_forward_and_context(fake_cuda, tmp_path):
+    """Budget-0 steps have no sample/walked marks (the plain sampler runs): their
+    forward side is to_propose, the drafter's context store is draft_tree."""
+    prof = StepProfiler(str(tmp_path / "p.json"))
+    for _ in range(2):
+        for mark, d in (("verify", 2.0), ("propose", 0.1), ("compacted", 0.5), ("drafted", 0.4)):
+            prof.mark(mark, 64 if mark == "verify" else None)
+            FakeClock.now += d
+    prof.mark("verify", 64)
+    b64 = prof.summary()["by_batch_size"]["64"]
+    assert b64["to_propose"]["mean"] == 2.0 and b64["draft_tree"]["mean"] == 0.5
+    assert b64["step"]["mean"] == 3.0 and "verify_forward" not in b64
