@@ -36,9 +36,9 @@ import gc
 import hashlib
 import json
 import math
-import re
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -210,22 +210,21 @@ class SpecCounters:
     per_pos: list[int] = field(default_factory=list)
 
     def minus(self, before: "SpecCounters") -> "SpecCounters":
-        n = max(len(self.per_pos), len(before.per_pos))
-        a = self.per_pos + [0] * (n - len(self.per_pos))
-        b = before.per_pos + [0] * (n - len(before.per_pos))
-        return SpecCounters(
-            self.drafts - before.drafts,
-            self.draft_tokens - before.draft_tokens,
-            self.accepted - before.accepted,
-            [x - y for x, y in zip(a, b)],
-        )
+        return self._combine(before, -1)
 
     def plus(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, 1)
+
+    def _combine(self, other: "SpecCounters", sign: int) -> "SpecCounters":
         n = max(len(self.per_pos), len(other.per_pos))
         a = self.per_pos + [0] * (n - len(self.per_pos))
         b = other.per_pos + [0] * (n - len(other.per_pos))
-        return SpecCounters(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens,
-                            self.accepted + other.accepted, [x + y for x, y in zip(a, b)])
+        return SpecCounters(
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            [x + sign * y for x, y in zip(a, b)],
+        )
 
     def summary(self) -> dict:
         if self.drafts <= 0:
@@ -742,14 +741,13 @@ def main(argv: list[str] | None = None) -> int:
             for temp in suite.temperatures:
                 for batch in suite.batch_sizes:
                     reqs = prompts[: requests_for(batch, suite.min_requests)]
-                    runs, delta = [], SpecCounters()
-                    for i in range(args.repeats):
-                        outs_i, summary_i, delta_i = run_cell(llm, reqs, batch, temp,
-                                                              suite.max_tokens, suite.dummy)
-                        outs = outs_i if i == 0 else outs
-                        runs.append(summary_i)
-                        delta = delta.plus(delta_i)
-                    summary = merge_repeats(runs)
+                    runs = [run_cell(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
+                            for _ in range(args.repeats)]
+                    outs = runs[0][0]  # the repeats generate the same tokens
+                    summary = merge_repeats([r[1] for r in runs])
+                    delta = SpecCounters()
+                    for r in runs:
+                        delta = delta.plus(r[2])
                     entry = dict(config=cfg.name, prompt_set=set_name, batch_size=batch,
                                  temperature=temp, **summary, **delta.summary())
                     if cfg.method is not None and delta.drafts:

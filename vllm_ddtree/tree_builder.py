@@ -92,19 +92,26 @@ def empty_tree(
     )
 
 
+def _pad_nodes_(out: DDTree, first: int) -> None:
+    """Write nodes ``first ..`` of every row of ``out`` as padding (see the output
+    format above), in place; the Triton builder writes the same values itself."""
+    out.node_tokens[:, first:] = 0
+    out.node_parents[:, first:] = 0
+    out.node_depths[:, first:] = 1
+    out.node_valid[:, first:] = False
+    out.node_scores[:, first:] = float("-inf")
+
+
 def fill_root_only_trees_(out: DDTree) -> DDTree:
     """Write trees that hold only their root (every other node padding) into ``out``,
     in place and without host sync: what a step without drafts leaves behind. The
     root's token is set to 0 like a tree built without ``root_tokens``."""
-    out.node_tokens.zero_()
-    out.node_parents.zero_()
+    out.node_tokens[:, 0] = 0
     out.node_parents[:, 0] = -1
-    out.node_depths.fill_(1)
     out.node_depths[:, 0] = 0
-    out.node_valid.fill_(False)
     out.node_valid[:, 0] = True
-    out.node_scores.fill_(float("-inf"))
     out.node_scores[:, 0] = 0.0
+    _pad_nodes_(out, 1)
     return out
 
 
@@ -552,11 +559,7 @@ def _build_trees_torch(
     out.node_valid[:, :width].copy_(valid_out)
     out.node_scores[:, :width].copy_(scores_out)
     # Nodes beyond this call's budget (a smaller tree in wider buffers): padding.
-    out.node_tokens[:, width:] = 0
-    out.node_parents[:, width:] = 0
-    out.node_depths[:, width:] = 1
-    out.node_valid[:, width:] = False
-    out.node_scores[:, width:] = float("-inf")
+    _pad_nodes_(out, width)
 
 
 # ----------------------------------------------------------------------------------
