@@ -241,8 +241,9 @@ def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_afte
     return [outputs.get(rid, []) for rid in ids], {ids.index(r) for r in aborted}, steps
 
 
-EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step", "dflash-chain",
-                       "no-spec-preempt", "ddtree-preempt")
+EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step",
+                       "ddtree-disable-by-batch", "dflash-chain", "no-spec-preempt",
+                       "ddtree-preempt")
 # Opt-in: a control of the engine itself (no speculation), not of DDTree.
 EQUIV_REAL_CONTROLS = ("no-spec-batch-shape",)
 
@@ -287,6 +288,10 @@ def run_equiv_real(args) -> dict:
         ("ddtree-async", dict(num_speculative_tokens=budget), {}),
         ("ddtree-sync", dict(num_speculative_tokens=budget), dict(async_scheduling=False)),
         ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256), {}),
+        # Budget 0 (drafter context only) from 4 requests on: a batch of 16 decodes
+        # without drafts and drafts again in its tail.
+        ("ddtree-disable-by-batch", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
+                                         ddtree_disable_by_batch_size=4), {}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}),
     ]
     for name, spec_extra, engine_kw in variants:

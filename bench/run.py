@@ -109,7 +109,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 # drafter logits and tree bounded by the step's budget (opt-in) ...
                 "lean": ("VLLM_DDTREE_LEAN_DRAFT", "1"),
                 # ... or the full tree at every batch size (the default)
-                "fulldraft": ("VLLM_DDTREE_LEAN_DRAFT", "0")}
+                "fulldraft": ("VLLM_DDTREE_LEAN_DRAFT", "0"),
+                # the drafter's context store eager, as in vLLM (graphs are the default)
+                "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0")}
 
 
 def parse_config(name: str) -> BenchConfig:

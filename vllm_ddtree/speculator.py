@@ -41,6 +41,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
 from vllm_ddtree.budget import draft_shape, drafting_budgets
+from vllm_ddtree.context_store_graphs import ContextStoreGraphs, context_graphs_enabled
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -164,6 +165,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._profiling_draft = False
         # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
         self.profiler = StepProfiler.from_env()
+        # The drafter's context store as CUDA graphs (captured with the drafter's).
+        self.context_graphs_wanted = context_graphs_enabled()
+        self._context_graphs: ContextStoreGraphs | None = None
         if self.profiler is not None:
             self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
@@ -215,6 +219,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
 
         num_tokens = input_batch.num_tokens
+        # Into the persistent buffer that the context-store graphs read.
+        self.hidden_states[:num_tokens].copy_(hidden_states[:num_tokens])
         for i, gid in enumerate(self.draft_kv_cache_group_ids):
             prepare_dflash_inputs(
                 self.input_buffers,
@@ -246,7 +252,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         else:
             context_slots = self._context_slot_mappings[0][:num_tokens]
         self.model.precompute_and_store_context_kv(
-            hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
+            self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
         )
         self.valid_by_state[input_batch.idx_mapping, 1:] = False
 
@@ -310,6 +316,37 @@ class DDTreeSpeculator(DFlashSpeculator):
                 "DDTree: drafting budget by batch size (drafter graphs included): %s",
                 _ranges(self._drafting_budget),
             )
+
+    def capture(self) -> None:
+        """vLLM's drafter graphs, then the context store's (one per target capture
+        size; see :mod:`vllm_ddtree.context_store_graphs`)."""
+        super().capture()
+        if not self.context_graphs_wanted:
+            return
+        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        if not sizes:
+            return
+        from vllm.distributed.parallel_state import graph_capture
+        from vllm.platforms import current_platform
+
+        graphs = ContextStoreGraphs(
+            self.model.precompute_and_store_context_kv,
+            self.hidden_states,
+            self.context_positions,
+            self._context_slot_mappings,
+            self._layer_group_idx,
+            sizes,
+        )
+        with graph_capture(device=self.device):
+            graphs.capture(current_platform.get_global_graph_pool())
+        # The drafter's own calls (vLLM's propose, the budget-0 store) now replay
+        # a graph whenever they read the speculator's buffers.
+        self.model.precompute_and_store_context_kv = graphs
+        self._context_graphs = graphs
+        logger.info(
+            "DDTree: drafter context store captured for %d token counts (up to %d)",
+            len(graphs.sizes), graphs.sizes[-1] if graphs.sizes else 0,
+        )
 
     def _drafter_graph_batch_sizes(self) -> list[int]:
         """Request counts of the drafter's full CUDA graphs (each also runs the smaller

@@ -244,6 +244,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec._context_slot_mappings = torch.arange(32).view(1, 32)
     spec._layer_group_idx = None
     spec.context_positions = torch.arange(32)
+    spec.hidden_states = torch.zeros(32, 5)
     for name in ("input_buffers", "sample_indices", "sample_pos", "sample_idx_mapping",
                  "parallel_drafting_token_id", "num_query_per_req", "num_speculative_steps",
                  "max_num_tokens", "max_model_len", "sample_from_anchor"):
@@ -272,6 +273,8 @@ def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
     assert len(calls["prepare"]) == 1
     (h, pos, slots), = calls["store"]
     assert torch.equal(h, hidden) and torch.equal(pos, torch.arange(3))
+    # Read from the speculator's persistent buffer, which the context-store graphs read.
+    assert torch.equal(spec.hidden_states[:3], hidden)
     assert torch.equal(slots, torch.arange(3))
     # The three requests' trees are root-only now; other states untouched.
     assert not spec.valid_by_state[[5, 1, 3], 1:].any()

@@ -1,0 +1,145 @@
+"""The drafter's context store as CUDA graphs (vllm_ddtree.context_store_graphs).
+
+CPU: which calls may replay a graph (only those reading the speculator's buffers),
+the padded size, the eager fallback and the switch. GPU: a captured store equals the
+eager one for every token count, padded rows included (they must write nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.context_store_graphs import (
+    CONTEXT_GRAPHS_ENV,
+    PAD_SLOT_ID,
+    ContextStoreGraphs,
+    context_graphs_enabled,
+    padded_graph_size,
+)
+
+HIDDEN, MAX_TOKENS, NUM_SLOTS = 8, 64, 256
+
+
+class ToyDrafter:
+    """A store with the real one's contract: per layer, project the states and write
+    row i into cache slot slots[i], skipping the padding slot."""
+
+    def __init__(self, num_layers: int, device):
+        gen = torch.Generator().manual_seed(0)
+        self.weights = torch.randn(num_layers, HIDDEN, HIDDEN, generator=gen).to(device)
+        self.cache = torch.zeros(num_layers, NUM_SLOTS, HIDDEN, device=device)
+        self.calls = 0
+
+    def store(self, states, positions, slots=None):
+        self.calls += 1
+        for layer in range(self.weights.shape[0]):
+            kv = states @ self.weights[layer] + positions[:, None].to(states.dtype)
+            if slots is None:
+                continue
+            layer_slots = slots[layer] if isinstance(slots, list) else slots
+            keep = layer_slots >= 0
+            # Graph-safe masked write: padded rows land in a scratch slot past the end.
+            target = torch.where(keep, layer_slots, torch.full_like(layer_slots, NUM_SLOTS))
+            padded = torch.cat([self.cache[layer], self.cache.new_zeros(1, HIDDEN)])
+            padded.index_copy_(0, target, kv)
+            self.cache[layer].copy_(padded[:NUM_SLOTS])
+
+
+def _buffers(device, num_groups=1):
+    hidden = torch.zeros(MAX_TOKENS, HIDDEN, device=device)
+    positions = torch.zeros(MAX_TOKENS, dtype=torch.int64, device=device)
+    slots = torch.zeros(num_groups, MAX_TOKENS, dtype=torch.int64, device=device)
+    return hidden, positions, slots
+
+
+def test_padded_size_is_the_smallest_graph_that_holds_the_tokens():
+    sizes = [1, 2, 4, 8, 16, 24]
+    assert padded_graph_size(sizes, 1) == 1
+    assert padded_graph_size(sizes, 3) == 4
+    assert padded_graph_size(sizes, 17) == 24
+    assert padded_graph_size(sizes, 24) == 24
+    assert padded_graph_size(sizes, 25) is None
+    assert padded_graph_size(sizes, 0) is None
+    assert padded_graph_size([], 1) is None
+
+
+def test_sizes_beyond_the_buffers_are_dropped():
+    hidden, positions, slots = _buffers("cpu")
+    graphs = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, None,
+                                [512, 8, 1, 64, 8, 0])
+    assert graphs.sizes == [1, 8, 64]
+
+
+def test_only_calls_on_the_speculators_buffers_may_replay():
+    hidden, positions, slots = _buffers("cpu", num_groups=2)
+    shared = ContextStoreGraphs(lambda *a: None, hidden, positions, slots[:1], None, [8])
+    assert shared.reads_own_buffers(hidden[:5], positions[:5], slots[0][:5])
+    # A fresh tensor (e.g. the combine's output) is not what the graph reads.
+    assert not shared.reads_own_buffers(hidden[:5].clone(), positions[:5], slots[0][:5])
+    assert not shared.reads_own_buffers(hidden[1:6], positions[:5], slots[0][:5])
+    assert not shared.reads_own_buffers(hidden[:5], positions[:4], slots[0][:5])
+    assert not shared.reads_own_buffers(hidden[:5], positions[:5], slots[0][:4])
+    assert not shared.reads_own_buffers(hidden[:5], positions[:5], [slots[0][:5]])
+    # Per-layer groups: layer 0 and 2 in group 1, layer 1 in group 0.
+    per_layer = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [1, 0, 1], [8])
+    good = [slots[1][:3], slots[0][:3], slots[1][:3]]
+    assert per_layer.reads_own_buffers(hidden[:3], positions[:3], good)
+    swapped = [slots[0][:3], slots[1][:3], slots[1][:3]]
+    assert not per_layer.reads_own_buffers(hidden[:3], positions[:3], swapped)
+    assert not per_layer.reads_own_buffers(hidden[:3], positions[:3], good[:2])
+    assert not per_layer.reads_own_buffers(hidden[:3], positions[:3], slots[1][:3])
+
+
+def test_without_graphs_every_call_runs_the_store_eagerly():
+    hidden, positions, slots = _buffers("cpu")
+    drafter = ToyDrafter(2, "cpu")
+    graphs = ContextStoreGraphs(drafter.store, hidden, positions, slots, None, [4, 8])
+    hidden[:3] = 1.0
+    slots[0, :3] = torch.tensor([5, 6, 7])
+    graphs(hidden[:3], positions[:3], slots[0][:3])
+    graphs(hidden[:3], positions[:3], None)  # memory profiling: no slots
+    assert (drafter.calls, graphs.num_eager, graphs.num_replays) == (2, 2, 0)
+    assert torch.allclose(drafter.cache[:, 5:8], hidden[:3] @ drafter.weights)
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("off", False), ("yes", True)])
+def test_switch(monkeypatch, value, expected):
+    monkeypatch.setenv(CONTEXT_GRAPHS_ENV, value)
+    assert context_graphs_enabled() is expected
+
+
+def test_switch_rejects_garbage(monkeypatch):
+    monkeypatch.setenv(CONTEXT_GRAPHS_ENV, "maybe")
+    with pytest.raises(ValueError, match=CONTEXT_GRAPHS_ENV):
+        context_graphs_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("layer_group_idx", [None, [1, 0, 1]])
+def test_replayed_store_equals_the_eager_store(layer_group_idx):
+    device = torch.device("cuda")
+    num_groups = 1 if layer_group_idx is None else 2
+    hidden, positions, slots = _buffers(device, num_groups)
+    graphed, eager = ToyDrafter(3, device), ToyDrafter(3, device)
+    graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, layer_group_idx,
+                                [1, 2, 4, 8, 16, 32])
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
+    assert graphed.cache.abs().sum().item() == 0, "capture wrote into the cache"
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for step, n in enumerate([1, 3, 4, 7, 16, 20, 32, 40]):
+        hidden[:n] = torch.randn(n, HIDDEN, generator=gen).to(device)
+        positions[:n] = torch.arange(n) + step
+        # Distinct slots per step and per group; row n.. keep old values (stale).
+        for g in range(num_groups):
+            slots[g, :n] = torch.randperm(NUM_SLOTS // 2, generator=gen)[:n].to(device) + 128 * g
+        args = graphs._store_args(n)
+        replays = graphs.num_replays
+        graphs(*args)
+        eager.store(hidden[:n].clone(), positions[:n].clone(),
+                    [s.clone() for s in args[2]] if isinstance(args[2], list) else args[2].clone())
+        torch.cuda.synchronize()
+        assert graphs.num_replays == replays + (1 if n <= 32 else 0)
+        assert torch.allclose(graphed.cache, eager.cache, atol=1e-5), f"n={n}"
+    assert PAD_SLOT_ID < 0
