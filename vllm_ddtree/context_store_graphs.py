@@ -17,6 +17,13 @@ padding slot, which the cache insert skips. Anything else (other tensors, more t
 than the largest graph, the memory-profiling run without slots) runs eagerly, as
 before.
 
+A step whose budget is 0 and that verified no drafts (one token per request) needs
+even less: its context is exactly the target's tokens, so their positions and the
+drafter group's slots are the runner's own persistent buffers, already padded. Its
+graph also combines the target's auxiliary hidden states (one eager copy into a fixed
+buffer before the replay), so the drafter's side of such a step is that copy and one
+replay instead of a combine, a copy, vLLM's input-preparation kernel and the store.
+
 ``VLLM_DDTREE_CONTEXT_GRAPHS=0`` keeps the store eager (vLLM's behaviour).
 """
 
@@ -51,95 +58,122 @@ def padded_graph_size(sizes: Sequence[int], num_tokens: int) -> int | None:
 
 
 class ContextStoreGraphs:
-    """Drop-in for the drafter model's ``precompute_and_store_context_kv`` that
-    replays a captured graph when the call reads the speculator's own buffers.
+    """CUDA graphs of ``store_fn(states, positions, slots)`` over fixed buffers, one
+    per token count.
 
-    ``slot_mappings`` is the speculator's ``[num_groups, max_num_tokens]`` tensor;
-    ``layer_group_idx`` maps each drafter layer to its row (None: one shared row).
+    ``slot_mappings`` is a ``[rows, max_num_tokens]`` tensor; ``slot_rows`` names the
+    row each drafter layer reads (``per_layer``) or the one row all layers share.
+    With ``combine_fn`` the graph first combines ``states`` (the target's
+    concatenated auxiliary hidden states) into the drafter's context states.
+    ``pad_slots``: set the slot rows past the call's tokens to the padding slot before
+    a replay (the speculator's own buffers); False where the owner already pads them
+    (the runner's slot mappings).
+
+    Called like the drafter model's ``precompute_and_store_context_kv`` it replays a
+    graph when the call reads these buffers and runs ``store_fn`` eagerly otherwise.
     """
 
     def __init__(
         self,
         store_fn: StoreFn,
-        hidden_states: torch.Tensor,
+        states: torch.Tensor,
         positions: torch.Tensor,
         slot_mappings: torch.Tensor,
-        layer_group_idx: list[int] | None,
+        slot_rows: list[int],
+        per_layer: bool,
         sizes: Sequence[int],
+        combine_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        pad_slots: bool = True,
     ) -> None:
-        limit = min(hidden_states.shape[0], positions.shape[0], slot_mappings.shape[1])
+        if not per_layer and len(slot_rows) != 1:
+            raise ValueError("one shared slot row expected when the layers share it")
+        limit = min(states.shape[0], positions.shape[0], slot_mappings.shape[1])
         self.sizes = sorted({int(s) for s in sizes if 0 < int(s) <= limit})
         self._store = store_fn
-        self.hidden_states = hidden_states
+        self._combine = combine_fn
+        self.states = states
         self.positions = positions
         self.slot_mappings = slot_mappings
-        self.layer_group_idx = layer_group_idx
+        self.slot_rows = list(slot_rows)
+        self.per_layer = per_layer
+        self.pad_slots = pad_slots
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Counters for tests and logs: how many stores replayed a graph / ran eagerly.
         self.num_replays = 0
         self.num_eager = 0
 
     def _slots(self, num_tokens: int) -> torch.Tensor | list[torch.Tensor]:
-        if self.layer_group_idx is None:
-            return self.slot_mappings[0][:num_tokens]
-        return [self.slot_mappings[g][:num_tokens] for g in self.layer_group_idx]
+        if not self.per_layer:
+            return self.slot_mappings[self.slot_rows[0]][:num_tokens]
+        return [self.slot_mappings[r][:num_tokens] for r in self.slot_rows]
 
     def _store_args(self, num_tokens: int):
-        return (self.hidden_states[:num_tokens], self.positions[:num_tokens],
+        return (self.states[:num_tokens], self.positions[:num_tokens],
                 self._slots(num_tokens))
+
+    def _run(self, num_tokens: int) -> None:
+        states, positions, slots = self._store_args(num_tokens)
+        if self._combine is not None:
+            states = self._combine(states)
+        self._store(states, positions, slots)
 
     def capture(self, pool=None) -> None:
         """One graph per size, largest first (smaller ones reuse its pool memory).
-        Every slot is the padding slot while capturing, so nothing is written."""
-        self.slot_mappings.fill_(PAD_SLOT_ID)
+        Every slot read is the padding slot while capturing, so nothing is written;
+        the owner of the slot mappings refills them before the next real store."""
+        for row in set(self.slot_rows):
+            self.slot_mappings[row].fill_(PAD_SLOT_ID)
         for size in reversed(self.sizes):
-            args = self._store_args(size)
-            self._store(*args)  # warm-up: lazy buffers, kernel autotuning
+            self._run(size)  # warm-up: lazy buffers, kernel autotuning
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self._store(*args)
+                self._run(size)
             self.graphs[size] = graph
+
+    def replay(self, num_tokens: int) -> bool:
+        """Store the first ``num_tokens`` rows of the buffers with a graph; False (and
+        nothing done) when no captured size holds them."""
+        size = padded_graph_size(self.sizes, num_tokens) if self.graphs else None
+        if size is None:
+            return False
+        if self.pad_slots and size > num_tokens:
+            # Rows past this step's tokens: stale states, never written.
+            for row in set(self.slot_rows):
+                self.slot_mappings[row][num_tokens:size].fill_(PAD_SLOT_ID)
+        self.num_replays += 1
+        self.graphs[size].replay()
+        return True
 
     def reads_own_buffers(self, context_states, context_positions, context_slot_mapping) -> bool:
         """True when the call's tensors are the leading rows of the captured buffers."""
         n = context_states.shape[0]
-        if (context_states.data_ptr() != self.hidden_states.data_ptr()
-                or context_states.shape[1:] != self.hidden_states.shape[1:]
+        if (context_states.data_ptr() != self.states.data_ptr()
+                or context_states.shape[1:] != self.states.shape[1:]
                 or context_positions.data_ptr() != self.positions.data_ptr()
                 or context_positions.shape[0] != n):
             return False
         if isinstance(context_slot_mapping, torch.Tensor):
-            if self.layer_group_idx is not None:
+            if self.per_layer:
                 return False
             slots = [context_slot_mapping]
-            rows = [0]
         elif isinstance(context_slot_mapping, (list, tuple)):
-            if self.layer_group_idx is None or len(context_slot_mapping) != len(
-                self.layer_group_idx
-            ):
+            if not self.per_layer or len(context_slot_mapping) != len(self.slot_rows):
                 return False
             slots = list(context_slot_mapping)
-            rows = self.layer_group_idx
         else:
             return False
         return all(
             isinstance(s, torch.Tensor)
             and s.data_ptr() == self.slot_mappings[r].data_ptr()
             and s.shape[0] == n
-            for s, r in zip(slots, rows)
+            for s, r in zip(slots, self.slot_rows)
         )
 
     def __call__(self, context_states, context_positions, context_slot_mapping=None) -> None:
-        n = context_states.shape[0]
-        size = padded_graph_size(self.sizes, n) if self.graphs else None
-        if (size is None or context_slot_mapping is None
-                or not self.reads_own_buffers(context_states, context_positions,
-                                              context_slot_mapping)):
-            self.num_eager += 1
-            self._store(context_states, context_positions, context_slot_mapping)
+        if (self._combine is None and context_slot_mapping is not None
+                and self.reads_own_buffers(context_states, context_positions,
+                                           context_slot_mapping)
+                and self.replay(context_states.shape[0])):
             return
-        if size > n:
-            # Rows past this step's tokens: stale hidden states, never written.
-            self.slot_mappings[:, n:size].fill_(PAD_SLOT_ID)
-        self.num_replays += 1
-        self.graphs[size].replay()
+        self.num_eager += 1
+        self._store(context_states, context_positions, context_slot_mapping)

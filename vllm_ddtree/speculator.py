@@ -41,7 +41,11 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
 from vllm_ddtree.budget import draft_shape, drafting_budgets
-from vllm_ddtree.context_store_graphs import ContextStoreGraphs, context_graphs_enabled
+from vllm_ddtree.context_store_graphs import (
+    ContextStoreGraphs,
+    context_graphs_enabled,
+    padded_graph_size,
+)
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -168,6 +172,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The drafter's context store as CUDA graphs (captured with the drafter's).
         self.context_graphs_wanted = context_graphs_enabled()
         self._context_graphs: ContextStoreGraphs | None = None
+        self._decode_context_graphs: ContextStoreGraphs | None = None
         if self.profiler is not None:
             self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
@@ -329,24 +334,86 @@ class DDTreeSpeculator(DFlashSpeculator):
         from vllm.distributed.parallel_state import graph_capture
         from vllm.platforms import current_platform
 
+        store = self.model.precompute_and_store_context_kv
+        per_layer = self._layer_group_idx is not None
         graphs = ContextStoreGraphs(
-            self.model.precompute_and_store_context_kv,
+            store,
             self.hidden_states,
             self.context_positions,
             self._context_slot_mappings,
-            self._layer_group_idx,
+            self._layer_group_idx if per_layer else [0],
+            per_layer,
             sizes,
         )
+        decode_graphs = self._decode_context_graphs_for(store, per_layer, sizes)
+        pool = current_platform.get_global_graph_pool()
         with graph_capture(device=self.device):
-            graphs.capture(current_platform.get_global_graph_pool())
+            graphs.capture(pool)
+            if decode_graphs is not None:
+                decode_graphs.capture(pool)
         # The drafter's own calls (vLLM's propose, the budget-0 store) now replay
         # a graph whenever they read the speculator's buffers.
         self.model.precompute_and_store_context_kv = graphs
         self._context_graphs = graphs
+        self._decode_context_graphs = decode_graphs
         logger.info(
-            "DDTree: drafter context store captured for %d token counts (up to %d)",
+            "DDTree: drafter context store captured for %d token counts (up to %d); "
+            "budget-0 decode steps: %s",
             len(graphs.sizes), graphs.sizes[-1] if graphs.sizes else 0,
+            f"{len(decode_graphs.sizes)} graphs" if decode_graphs else "none",
         )
+
+    def _decode_context_graphs_for(self, store, per_layer: bool, sizes) -> ContextStoreGraphs | None:
+        """Graphs for steps with budget 0 that verified no drafts: the context is the
+        target's tokens, at the runner's positions and the drafter groups' slots the
+        runner computed (padded). None without such batch sizes or without the
+        drafter's combine of auxiliary hidden states."""
+        if self._budget_by_batch is None or 0 not in self._budget_by_batch[1:]:
+            return None
+        inner = getattr(self.model, "model", None)
+        fc = getattr(inner, "fc", None)
+        width = getattr(fc, "input_size", None)
+        if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
+            return None
+        first_off = self._budget_by_batch.index(0, 1)
+        # A decode-only step has one token per request; pad up to a captured size.
+        decode_sizes = [s for s in sorted(sizes) if s >= first_off]
+        decode_sizes = [s for s in decode_sizes if s <= self.max_num_reqs] + [
+            s for s in decode_sizes if s > self.max_num_reqs][:1]
+        if not decode_sizes:
+            return None
+        self._aux_states = torch.zeros(
+            max(decode_sizes), width, dtype=self.dtype, device=self.device
+        )
+        gids = self.draft_kv_cache_group_ids
+        rows = [gids[g] for g in self._layer_group_idx] if per_layer else [gids[0]]
+        return ContextStoreGraphs(
+            store,
+            self._aux_states,
+            self.target_input_buffers.positions,
+            self.block_tables.slot_mappings,
+            rows,
+            per_layer,
+            decode_sizes,
+            combine_fn=self.model.combine_hidden_states,
+            pad_slots=False,
+        )
+
+    def _store_decode_context(self, input_batch: InputBatch, aux_hidden_states) -> bool:
+        """A budget-0 step that verified no drafts: the target's auxiliary states into
+        the decode graph's buffer, one replay. False (nothing done) when the graph
+        cannot take the step."""
+        graphs = self._decode_context_graphs
+        num_tokens = input_batch.num_tokens
+        if (graphs is None or not aux_hidden_states or num_tokens != input_batch.num_reqs
+                or input_batch.positions.data_ptr() != graphs.positions.data_ptr()
+                or padded_graph_size(graphs.sizes, num_tokens) is None):
+            return False
+        torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1,
+                  out=self._aux_states[:num_tokens])
+        graphs.replay(num_tokens)
+        self.valid_by_state[input_batch.idx_mapping, 1:] = False
+        return True
 
     def _drafter_graph_batch_sizes(self) -> list[int]:
         """Request counts of the drafter's full CUDA graphs (each also runs the smaller
@@ -520,6 +587,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         profiler = None if dummy_run else self.profiler
         if profiler is not None:
             profiler.mark("propose")
+        if (not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0
+                and self._store_decode_context(input_batch, aux_hidden_states)):
+            # No drafts verified, none to draft: the drafter's context in one replay.
+            self._pending_compaction = False
+            self._verified_rows = None
+            if profiler is not None:
+                profiler.mark("compacted")
+                profiler.mark("drafted")
+            return self.draft_tokens[: input_batch.num_reqs]
         if aux_hidden_states:
             hidden_states = self.model.combine_hidden_states(
                 torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)

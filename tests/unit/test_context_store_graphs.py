@@ -66,14 +66,14 @@ def test_padded_size_is_the_smallest_graph_that_holds_the_tokens():
 
 def test_sizes_beyond_the_buffers_are_dropped():
     hidden, positions, slots = _buffers("cpu")
-    graphs = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, None,
+    graphs = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [0], False,
                                 [512, 8, 1, 64, 8, 0])
     assert graphs.sizes == [1, 8, 64]
 
 
 def test_only_calls_on_the_speculators_buffers_may_replay():
     hidden, positions, slots = _buffers("cpu", num_groups=2)
-    shared = ContextStoreGraphs(lambda *a: None, hidden, positions, slots[:1], None, [8])
+    shared = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [0], False, [8])
     assert shared.reads_own_buffers(hidden[:5], positions[:5], slots[0][:5])
     # A fresh tensor (e.g. the combine's output) is not what the graph reads.
     assert not shared.reads_own_buffers(hidden[:5].clone(), positions[:5], slots[0][:5])
@@ -82,7 +82,7 @@ def test_only_calls_on_the_speculators_buffers_may_replay():
     assert not shared.reads_own_buffers(hidden[:5], positions[:5], slots[0][:4])
     assert not shared.reads_own_buffers(hidden[:5], positions[:5], [slots[0][:5]])
     # Per-layer groups: layer 0 and 2 in group 1, layer 1 in group 0.
-    per_layer = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [1, 0, 1], [8])
+    per_layer = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [1, 0, 1], True, [8])
     good = [slots[1][:3], slots[0][:3], slots[1][:3]]
     assert per_layer.reads_own_buffers(hidden[:3], positions[:3], good)
     swapped = [slots[0][:3], slots[1][:3], slots[1][:3]]
@@ -94,7 +94,7 @@ def test_only_calls_on_the_speculators_buffers_may_replay():
 def test_without_graphs_every_call_runs_the_store_eagerly():
     hidden, positions, slots = _buffers("cpu")
     drafter = ToyDrafter(2, "cpu")
-    graphs = ContextStoreGraphs(drafter.store, hidden, positions, slots, None, [4, 8])
+    graphs = ContextStoreGraphs(drafter.store, hidden, positions, slots, [0], False, [4, 8])
     hidden[:3] = 1.0
     slots[0, :3] = torch.tensor([5, 6, 7])
     graphs(hidden[:3], positions[:3], slots[0][:3])
@@ -115,25 +115,54 @@ def test_switch_rejects_garbage(monkeypatch):
         context_graphs_enabled()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_single_shared_row_is_required_without_per_layer_slots():
+    hidden, positions, slots = _buffers("cpu", num_groups=2)
+    with pytest.raises(ValueError, match="shared slot row"):
+        ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [0, 1], False, [8])
+
+
+def test_a_combining_graph_is_never_a_drop_in_for_the_store():
+    """With combine_fn the buffers hold the target's auxiliary states, not context
+    states: a call through the drop-in path must run the store eagerly."""
+    hidden, positions, slots = _buffers("cpu")
+    drafter = ToyDrafter(1, "cpu")
+    graphs = ContextStoreGraphs(drafter.store, hidden, positions, slots, [0], False, [8],
+                                combine_fn=lambda x: x * 2)
+    graphs.graphs[8] = None  # as if captured: the call must still not replay
+    graphs(hidden[:3], positions[:3], slots[0][:3])
+    assert (graphs.num_eager, graphs.num_replays, drafter.calls) == (1, 0, 1)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def _random_step(gen, hidden, positions, slots, n, step, device, pad_rest):
+    hidden[:n] = torch.randn(n, hidden.shape[1], generator=gen).to(device)
+    positions[:n] = torch.arange(n) + step
+    for g in range(slots.shape[0]):
+        slots[g, :n] = torch.randperm(NUM_SLOTS // 2, generator=gen)[:n].to(device) + 128 * g
+        if pad_rest:
+            # As the runner does for its own slot mappings.
+            slots[g, n:] = PAD_SLOT_ID
+
+
+@CUDA
 @pytest.mark.parametrize("layer_group_idx", [None, [1, 0, 1]])
 def test_replayed_store_equals_the_eager_store(layer_group_idx):
     device = torch.device("cuda")
     num_groups = 1 if layer_group_idx is None else 2
     hidden, positions, slots = _buffers(device, num_groups)
     graphed, eager = ToyDrafter(3, device), ToyDrafter(3, device)
-    graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, layer_group_idx,
-                                [1, 2, 4, 8, 16, 32])
+    rows = [0] if layer_group_idx is None else layer_group_idx
+    graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, rows,
+                                layer_group_idx is not None, [1, 2, 4, 8, 16, 32])
     graphs.capture()
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
     assert graphed.cache.abs().sum().item() == 0, "capture wrote into the cache"
     gen = torch.Generator(device="cpu").manual_seed(1)
     for step, n in enumerate([1, 3, 4, 7, 16, 20, 32, 40]):
-        hidden[:n] = torch.randn(n, HIDDEN, generator=gen).to(device)
-        positions[:n] = torch.arange(n) + step
-        # Distinct slots per step and per group; row n.. keep old values (stale).
-        for g in range(num_groups):
-            slots[g, :n] = torch.randperm(NUM_SLOTS // 2, generator=gen)[:n].to(device) + 128 * g
+        # Rows n.. keep old slots (stale): the replay must pad them itself.
+        _random_step(gen, hidden, positions, slots, n, step, device, pad_rest=False)
         args = graphs._store_args(n)
         replays = graphs.num_replays
         graphs(*args)
@@ -142,4 +171,25 @@ def test_replayed_store_equals_the_eager_store(layer_group_idx):
         torch.cuda.synchronize()
         assert graphs.num_replays == replays + (1 if n <= 32 else 0)
         assert torch.allclose(graphed.cache, eager.cache, atol=1e-5), f"n={n}"
-    assert PAD_SLOT_ID < 0
+
+
+@CUDA
+def test_combining_graph_on_prepadded_slots_equals_the_eager_combine_and_store():
+    """The budget-0 decode graph: combine + store over buffers whose owner pads the
+    slots (pad_slots=False)."""
+    device = torch.device("cuda")
+    aux, positions, slots = _buffers(device, num_groups=2)
+    graphed, eager = ToyDrafter(2, device), ToyDrafter(2, device)
+    mix = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(3)).to(device)
+    combine = lambda x: torch.tanh(x @ mix)  # noqa: E731
+    graphs = ContextStoreGraphs(graphed.store, aux, positions, slots, [1], False,
+                                [2, 4, 8, 16], combine_fn=combine, pad_slots=False)
+    graphs.capture()
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    for step, n in enumerate([1, 2, 5, 8, 13, 16]):
+        _random_step(gen, aux, positions, slots, n, step, device, pad_rest=True)
+        assert graphs.replay(n)
+        eager.store(combine(aux[:n]), positions[:n].clone(), slots[1][:n].clone())
+        torch.cuda.synchronize()
+        assert torch.allclose(graphed.cache, eager.cache, atol=1e-5), f"n={n}"
+    assert not graphs.replay(17)

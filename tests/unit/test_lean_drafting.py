@@ -245,6 +245,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec._layer_group_idx = None
     spec.context_positions = torch.arange(32)
     spec.hidden_states = torch.zeros(32, 5)
+    spec._decode_context_graphs = None
     for name in ("input_buffers", "sample_indices", "sample_pos", "sample_idx_mapping",
                  "parallel_drafting_token_id", "num_query_per_req", "num_speculative_steps",
                  "max_num_tokens", "max_model_len", "sample_from_anchor"):
@@ -279,6 +280,59 @@ def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
     # The three requests' trees are root-only now; other states untouched.
     assert not spec.valid_by_state[[5, 1, 3], 1:].any()
     assert spec.valid_by_state[[5, 1, 3], 0].all() and spec.valid_by_state[[0, 2, 4]].all()
+
+
+def _decode_graph_fake(spec, calls, positions):
+    from vllm_ddtree.context_store_graphs import ContextStoreGraphs
+
+    aux_states = torch.zeros(4, 10)
+    replays = []
+    graphs = ContextStoreGraphs(lambda *a: calls["store"].append(a), aux_states, positions,
+                                torch.zeros(1, 16, dtype=torch.int64), [0], False, [4],
+                                combine_fn=lambda x: x, pad_slots=False)
+    graphs.graphs[4] = types.SimpleNamespace(replay=lambda: replays.append(aux_states.clone()))
+    spec._decode_context_graphs, spec._aux_states = graphs, aux_states
+    spec.model.combine_hidden_states = lambda x: x[:, :5]
+    return replays
+
+
+def _propose_aux(spec, num_reqs, num_tokens, positions):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
+                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs]),
+                                  positions=positions[:num_tokens])
+    aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
+    z = torch.zeros(num_reqs)
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
+                             z, z, z, z, z, z)
+    return torch.cat(aux, dim=-1)
+
+
+def test_budget_zero_decode_steps_replay_one_graph(monkeypatch):
+    """One token per request and budget 0: the target's auxiliary states go into the
+    decode graph's buffer and one replay stores the context (no input preparation,
+    no eager store, no drafter forward); the requests' trees become root-only."""
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    positions = torch.arange(16)
+    replays = _decode_graph_fake(spec, calls, positions)
+    aux = _propose_aux(spec, 3, 3, positions)
+    assert (calls["prepare"], calls["store"], calls["super"]) == ([], [], 0)
+    assert len(replays) == 1 and torch.equal(replays[0][:3], aux)
+    assert not spec.valid_by_state[[5, 1, 3], 1:].any()
+    assert spec.valid_by_state[[0, 2, 4]].all()
+
+
+def test_budget_zero_steps_the_decode_graph_cannot_take_run_eagerly(monkeypatch):
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    positions = torch.arange(16)
+    replays = _decode_graph_fake(spec, calls, positions)
+    # Drafts verified (or a prefill chunk): more tokens than requests.
+    _propose_aux(spec, 3, 6, positions)
+    # Positions from another buffer than the one captured.
+    _propose_aux(spec, 3, 3, torch.arange(16))
+    assert replays == []
+    assert len(calls["prepare"]) == 2 and len(calls["store"]) == 2 and calls["super"] == 0
 
 
 def test_batches_with_a_budget_draft_as_usual(monkeypatch):
