@@ -243,6 +243,30 @@ class SpecCounters:
         }
 
 
+def all_steps_fields(entry: dict) -> dict:
+    """Drafting over every step of a cell, not only the steps that drafted (with
+    drafting off at large batches, ``-d<N>``, most steps verify no drafts).
+
+    Each request-step emits one token plus its accepted drafts, so the cell's
+    request-steps are its output tokens minus the accepted ones.
+    ``drafting_share``: the fraction of request-steps that verified drafts;
+    ``verified_tokens_per_forward_all_steps``: batch x (1 + drafts per request-step).
+    Empty when the entry lacks the counters."""
+    try:
+        drafts = entry["num_drafts"]
+        accepted = entry["accepted_tokens_per_step"] * drafts
+        draft_tokens = entry["draft_tokens_per_step"] * drafts
+        outputs = entry["output_tokens"] * entry.get("repeats", 1)
+    except (KeyError, TypeError):
+        return {}
+    steps = outputs - accepted
+    if steps <= 0:
+        return {}
+    return {"drafting_share": round(drafts / steps, 4),
+            "verified_tokens_per_forward_all_steps": round(
+                entry["batch_size"] * (1 + draft_tokens / steps), 1)}
+
+
 def spec_counters(metrics) -> SpecCounters:
     """vLLM's spec-decode counters from ``LLM.get_metrics()`` (summed over engines)."""
     c = SpecCounters()
@@ -756,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
                         # Steps per request-step: each step verifies batch * (1 + drafts) tokens.
                         entry["verified_tokens_per_forward"] = round(
                             batch * (1 + delta.draft_tokens / delta.drafts), 1)
+                        entry.update(all_steps_fields(entry))
                     key = (set_name, batch, temp)
                     if temp == 0.0:
                         if cfg.method is None:

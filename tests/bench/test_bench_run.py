@@ -393,3 +393,21 @@ def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
     assert all(c["tau"] == 1.5 for c in cells)
     measured = [c for c in calls if c[3] == 4]
     assert len(measured) == 2 * 3
+
+
+def test_all_steps_fields_count_the_steps_that_verified_no_drafts():
+    from bench.run import all_steps_fields
+
+    # 2 runs x 100 output tokens at batch 4; 10 request-steps drafted 64 nodes and
+    # accepted 20 tokens in all: 200 - 20 = 180 request-steps, 10 of them drafting.
+    entry = dict(batch_size=4, output_tokens=100, repeats=2, num_drafts=10,
+                 accepted_tokens_per_step=2.0, draft_tokens_per_step=64.0)
+    fields = all_steps_fields(entry)
+    assert fields["drafting_share"] == round(10 / 180, 4)
+    assert fields["verified_tokens_per_forward_all_steps"] == round(4 * (1 + 640 / 180), 1)
+    # Every step drafted: the drafting steps' figure.
+    entry = dict(batch_size=1, output_tokens=50, num_drafts=25, accepted_tokens_per_step=1.0,
+                 draft_tokens_per_step=8.0)
+    assert all_steps_fields(entry) == {"drafting_share": 1.0,
+                                       "verified_tokens_per_forward_all_steps": 9.0}
+    assert all_steps_fields({"batch_size": 4}) == {}

@@ -15,7 +15,7 @@ def _cell(config, batch, tps, tau=None, verified=None, temp=0.0, pset="humaneval
     if tau is not None:
         row["tau"] = tau
     if verified is not None:
-        row["verified_tokens_per_forward"] = verified
+        row["verified_tokens_per_forward_all_steps"] = verified
     return row
 
 
@@ -37,7 +37,19 @@ def test_ratios_use_the_better_chain_per_cell_and_skip_missing_cells():
     assert "| no-spec | 500 | 2000 |" in lines
     assert "| DDTree / better chain | 1.30 | 1.50 |" in lines  # 520/400, 1800/1200
     assert "| DDTree / no-spec | 1.04 | 0.90 |" in lines
-    assert "| DDTree verified tokens per forward | 65 | 260 |" in lines
+    assert "| DDTree verified tokens per forward (all steps) | 65 | 260 |" in lines
+
+
+def test_verified_tokens_of_older_results_come_from_their_counters():
+    """Results recorded before the all-steps field: recomputed from the counters, so
+    a cell where drafting was mostly off shows the few tokens it really verified."""
+    tree = _cell("ddtree-b64-d4", 4, 1300, tau=2.0)
+    # 8 drafting request-steps of 64 nodes, 8 accepted, 256 output tokens in 1 run.
+    tree.update(output_tokens=256, num_drafts=8, accepted_tokens_per_step=1.0,
+                draft_tokens_per_step=64.0, verified_tokens_per_forward=260.0)
+    doc = {"results": [_cell("no-spec", 4, 1400), _cell("dflash", 4, 1200, tau=1.4), tree]}
+    lines = markdown_tables(doc, "ddtree-b64-d4", ["dflash"]).splitlines()
+    assert "| DDTree verified tokens per forward (all steps) | 12 |" in lines  # 4*(1+512/248)
 
 
 def test_unknown_config_is_refused(tmp_path, capsys):
