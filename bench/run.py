@@ -73,6 +73,8 @@ class BenchConfig:
     disable_by_batch_size: int | None = None
     # Environment for the engine (its engine-core process inherits it at start).
     env: tuple[tuple[str, str], ...] = ()
+    # Extra engine arguments (name, value), e.g. another attention backend.
+    engine_args: tuple[tuple[str, object], ...] = ()
 
     def speculative_config(self, drafter: str) -> dict | None:
         if self.method is None:
@@ -114,14 +116,25 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0")}
 
 
+# Name suffixes that set an engine argument instead: "no-spec+tritonattn" is plain
+# decoding on the attention backend DDTree verifies on, which separates the backend's
+# cost from speculation's.
+# Values are tuples of pairs (hashable, like the config); the engine gets a dict.
+CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),))}
+
+
 def parse_config(name: str) -> BenchConfig:
     core, *flags = name.split("+")
-    unknown = [f for f in flags if f not in CONFIG_FLAGS]
+    known = set(CONFIG_FLAGS) | set(CONFIG_ENGINE_FLAGS)
+    unknown = [f for f in flags if f not in known]
     if unknown:
         raise ValueError(f"unknown benchmark config {name!r}: flags {unknown} "
-                         f"(known: {sorted(CONFIG_FLAGS)})")
+                         f"(known: {sorted(known)})")
     cfg = _parse_core_config(core)
-    return replace(cfg, name=name, env=tuple(CONFIG_FLAGS[f] for f in flags))
+    return replace(cfg, name=name,
+                   env=tuple(CONFIG_FLAGS[f] for f in flags if f in CONFIG_FLAGS),
+                   engine_args=tuple(CONFIG_ENGINE_FLAGS[f] for f in flags
+                                     if f in CONFIG_ENGINE_FLAGS))
 
 
 _CONFIG_NAME = re.compile(r"(?P<base>no-spec|dflash|ddtree-b(?P<budget>\d+))"
@@ -553,6 +566,10 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         # E.g. TRITON_ATTN for every engine: DDTree verifies on it, so greedy
         # comparisons then carry no backend rounding differences.
         kw["attention_config"] = {"backend": args.attention_backend}
+    for key, value in cfg.engine_args:
+        if key in kw:
+            raise ValueError(f"{cfg.name}: {key} is already set by the command line")
+        kw[key] = dict(value)
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if suite.dummy:

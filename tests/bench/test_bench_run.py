@@ -47,6 +47,7 @@ def test_a_config_flag_sets_engine_environment_only():
     assert direct.speculative_config("d") == plain.speculative_config("d")
     assert parse_config("ddtree-b32+tritonlaunch").env == (("VLLM_DDTREE_DIRECT_LAUNCH", "0"),)
     assert parse_config("ddtree-b64-t512+fulldraft").env == (("VLLM_DDTREE_LEAN_DRAFT", "0"),)
+    assert parse_config("ddtree-b64-t512+eagerctx").env == (("VLLM_DDTREE_CONTEXT_GRAPHS", "0"),)
     assert parse_config("ddtree-b64-t512+lean").env == (("VLLM_DDTREE_LEAN_DRAFT", "1"),)
     with pytest.raises(ValueError, match="flags"):
         parse_config("ddtree-b32+turbo")
@@ -411,3 +412,32 @@ def test_all_steps_fields_count_the_steps_that_verified_no_drafts():
     assert all_steps_fields(entry) == {"drafting_share": 1.0,
                                        "verified_tokens_per_forward_all_steps": 9.0}
     assert all_steps_fields({"batch_size": 4}) == {}
+
+
+def test_an_engine_flag_sets_an_engine_argument_not_the_environment():
+    cfg = parse_config("no-spec+tritonattn")
+    assert cfg.env == () and cfg.method is None
+    assert dict(cfg.engine_args) == {"attention_config": (("backend", "TRITON_ATTN"),)}
+    hash(cfg)  # configs stay hashable
+    with pytest.raises(ValueError, match="tritonatn"):
+        parse_config("no-spec+tritonatn")
+
+
+def test_engine_flags_reach_the_engine_and_refuse_a_clash(monkeypatch):
+    import types
+
+    import vllm
+
+    from bench import run as bench_run
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw) or "engine")
+    args = types.SimpleNamespace(eager=False, gpu_memory_utilization=0.2, max_model_len=2048,
+                                 async_scheduling="auto", attention_backend=None,
+                                 tensor_parallel_size=1, profile_dir=None, suite="fixture")
+    suite = types.SimpleNamespace(dtype="bfloat16", batch_sizes=[1, 4], dummy=False)
+    llm, _ = bench_run._engine(args, suite, "t", "d", parse_config("no-spec+tritonattn"))
+    assert llm == "engine" and seen["attention_config"] == {"backend": "TRITON_ATTN"}
+    args.attention_backend = "FLASH_ATTN"
+    with pytest.raises(ValueError, match="attention_config"):
+        bench_run._engine(args, suite, "t", "d", parse_config("no-spec+tritonattn"))
