@@ -96,7 +96,9 @@ def lean_draft_enabled() -> bool:
 def _env_flag(name: str, default: str = "1") -> bool:
     return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
-logger = init_logger(__name__)
+# Under vLLM's logger, so its handler and level apply (a logger outside the "vllm"
+# tree only prints warnings, through Python's last-resort handler).
+logger = init_logger("vllm.ddtree.speculator")
 
 
 class DDTreeSpeculator(DFlashSpeculator):
