@@ -33,6 +33,10 @@
 #                                      # with the no-speculation batch-shape control
 #   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, host cost per
 #                                      # wrapper, engines with and without it (batch 1, 4)
+#   bash bench/gpu_session.sh gap      # plain decoding on FLASH_ATTN and TRITON_ATTN beside DDTree
+#                                      # drafting off from 4 requests and always on (batch 4-64,
+#                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
+#   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -213,6 +217,28 @@ case "$step" in
       > "$OUT/bench-direct-launch.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-direct-launch.log" | cut -c1-300
     ;;
+  gap)
+    # What a drafting-off step costs beyond a plain one (session 7's open question):
+    # plain decoding on FLASH_ATTN and on TRITON_ATTN (DDTree's backend) beside DDTree
+    # with drafting off from 4 requests and always on, one run, two repeats per cell;
+    # then cProfile of one plain and one drafting-off step at batch 4.
+    prepare
+    read -r -a gconfigs <<< "${GAP_CONFIGS:-no-spec no-spec+tritonattn ddtree-b64-t512-d4 ddtree-b64-t512}"
+    read -r -a gbatches <<< "${GAP_BATCH_SIZES:-4 16 64}"
+    timeout 470 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-gap.json" --configs "${gconfigs[@]}" --batch-sizes "${gbatches[@]}" \
+      --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
+    echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
+    ;;
+  gap-profile)
+    prepare
+    mkdir -p "$OUT/profile"
+    timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size 4 \
+      --configs no-spec ddtree-b64-t512-d4 --max-tokens 64 --out-dir "$OUT/profile" \
+      > "$OUT/profile/profile-step.log" 2>&1
+    echo "gap profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
+    tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
+    ;;
   profile)
     prepare
     [ -f "$FUSED_VERDICT" ] || fused_tests
@@ -225,6 +251,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile" >&2; exit 2 ;;
 esac
 done

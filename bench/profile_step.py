@@ -48,6 +48,8 @@ sys.path.insert(0, ROOT)
 from bench.run import (  # noqa: E402
     DEFAULT_DRAFTER,
     _free,
+    config_engine_kwargs,
+    engine_environment,
     load_prompt_sets,
     parse_config,
     spec_counters,
@@ -231,10 +233,11 @@ def start_engine(args, name: str, **extra):
     from vllm import LLM
 
     cfg = parse_config(name)
-    return LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
-               enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
-               max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
-               disable_log_stats=False, **extra)
+    with engine_environment(dict(cfg.env)):
+        return LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
+                   enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
+                   max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
+                   disable_log_stats=False, **config_engine_kwargs(cfg), **extra)
 
 
 def plain_run(llm, args, prompts) -> tuple[dict, int]:

@@ -32,6 +32,7 @@ The JSON is rewritten after every cell, so a run cut short keeps what it measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -566,10 +567,10 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         # E.g. TRITON_ATTN for every engine: DDTree verifies on it, so greedy
         # comparisons then carry no backend rounding differences.
         kw["attention_config"] = {"backend": args.attention_backend}
-    for key, value in cfg.engine_args:
+    for key, value in config_engine_kwargs(cfg).items():
         if key in kw:
             raise ValueError(f"{cfg.name}: {key} is already set by the command line")
-        kw[key] = dict(value)
+        kw[key] = value
     if args.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = args.tensor_parallel_size
     if suite.dummy:
@@ -585,10 +586,23 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
         safe_name = cfg.name.replace("+", "_")
         profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{safe_name}.json")
         engine_env["VLLM_DDTREE_PROFILE"] = profile
-    saved = {k: os.environ.get(k) for k in engine_env}
-    os.environ.update(engine_env)
-    try:
+    with engine_environment(engine_env):
         return LLM(**kw), profile
+
+
+def config_engine_kwargs(cfg: BenchConfig) -> dict:
+    """The engine arguments a config's flags set (``+tritonattn``)."""
+    return {key: dict(value) for key, value in cfg.engine_args}
+
+
+@contextlib.contextmanager
+def engine_environment(env: dict[str, str]):
+    """``env`` set only while an engine starts (its engine-core process inherits it
+    then), the caller's environment restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:

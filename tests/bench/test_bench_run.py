@@ -441,3 +441,30 @@ def test_engine_flags_reach_the_engine_and_refuse_a_clash(monkeypatch):
     args.attention_backend = "FLASH_ATTN"
     with pytest.raises(ValueError, match="attention_config"):
         bench_run._engine(args, suite, "t", "d", parse_config("no-spec+tritonattn"))
+
+
+def test_the_profiler_starts_flagged_configs_like_the_benchmark(monkeypatch):
+    """bench/profile_step.py: a flag's environment is set while the engine starts (and
+    only then), an engine flag reaches the engine."""
+    import os
+    import types
+
+    import vllm
+
+    from bench import profile_step
+
+    seen = {}
+
+    def fake_llm(**kw):
+        seen.update(kw, ctx_graphs=os.environ.get("VLLM_DDTREE_CONTEXT_GRAPHS"))
+        return "engine"
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.delenv("VLLM_DDTREE_CONTEXT_GRAPHS", raising=False)
+    args = types.SimpleNamespace(target="t", drafter="d", eager=False, dtype="bfloat16",
+                                 batch_size=4)
+    assert profile_step.start_engine(args, "ddtree-b64-t512-d4+eagerctx") == "engine"
+    assert seen["ctx_graphs"] == "0" and "VLLM_DDTREE_CONTEXT_GRAPHS" not in os.environ
+    assert seen["speculative_config"]["ddtree_disable_by_batch_size"] == 4
+    profile_step.start_engine(args, "no-spec+tritonattn")
+    assert seen["attention_config"] == {"backend": "TRITON_ATTN"}
