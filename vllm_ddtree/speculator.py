@@ -380,8 +380,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         first_off = self._budget_by_batch.index(0, 1)
         # A decode-only step has one token per request; pad up to a captured size.
         decode_sizes = [s for s in sorted(sizes) if s >= first_off]
-        decode_sizes = [s for s in decode_sizes if s <= self.max_num_reqs] + [
-            s for s in decode_sizes if s > self.max_num_reqs][:1]
+        decode_sizes = [s for s in decode_sizes if s < self.max_num_reqs] + [
+            s for s in decode_sizes if s >= self.max_num_reqs][:1]
         if not decode_sizes:
             return None
         self._aux_states = torch.zeros(

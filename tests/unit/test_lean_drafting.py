@@ -21,6 +21,7 @@ from vllm_ddtree.budget import (
     drafting_budgets,
     expand_schedule,
 )
+from vllm_ddtree.context_store_graphs import padded_graph_size
 from vllm_ddtree.tree_builder import DDTree, build_tree_reference, build_trees, empty_tree
 
 
@@ -354,3 +355,41 @@ def test_lean_drafting_is_opt_in(monkeypatch):
     assert lean_draft_enabled()
     monkeypatch.setenv(LEAN_DRAFT_ENV, "off")
     assert not lean_draft_enabled()
+
+
+def _decode_graph_spec(budget_by_batch, use_aux=True, layer_group_idx=None):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec._budget_by_batch = budget_by_batch
+    spec.max_num_reqs = 8
+    spec.dtype, spec.device = torch.float32, torch.device("cpu")
+    spec.draft_kv_cache_group_ids = [2, 5]
+    spec._layer_group_idx = layer_group_idx
+    spec.target_input_buffers = types.SimpleNamespace(positions=torch.zeros(64, dtype=torch.int64))
+    spec.block_tables = types.SimpleNamespace(slot_mappings=torch.zeros(6, 64, dtype=torch.int64))
+    inner = types.SimpleNamespace(use_aux_hidden_state=use_aux,
+                                  fc=types.SimpleNamespace(input_size=12))
+    spec.model = types.SimpleNamespace(model=inner, combine_hidden_states=lambda x: x)
+    return spec
+
+
+def test_decode_graphs_cover_the_batch_sizes_that_draft_nothing():
+    capture_sizes = [1, 2, 4, 8, 16, 32]
+    spec = _decode_graph_spec([0, 8, 8, 0, 0, 0, 0, 0, 0])
+    graphs = spec._decode_context_graphs_for(lambda *a: None, False, capture_sizes)
+    # Budget 0 from 3 requests on, at most 8 requests: sizes 4 and 8 (3 pads to 4).
+    assert graphs.sizes == [4, 8] and padded_graph_size(graphs.sizes, 3) == 4
+    assert graphs.slot_rows == [2] and not graphs.per_layer and not graphs.pad_slots
+    assert spec._aux_states.shape == (8, 12)
+    # Per-layer groups: each layer reads its own group's row of the runner's slots.
+    spec = _decode_graph_spec([0, 8, 8, 0, 0, 0, 0, 0, 0], layer_group_idx=[1, 0, 1])
+    graphs = spec._decode_context_graphs_for(lambda *a: None, True, capture_sizes)
+    assert graphs.slot_rows == [5, 2, 5] and graphs.per_layer
+
+
+def test_no_decode_graphs_without_budget_zero_or_auxiliary_states():
+    assert _decode_graph_spec(None)._decode_context_graphs_for(None, False, [1, 2]) is None
+    assert _decode_graph_spec([0, 8, 8, 8])._decode_context_graphs_for(None, False, [1, 2]) is None
+    spec = _decode_graph_spec([0, 8, 0, 0], use_aux=False)
+    assert spec._decode_context_graphs_for(None, False, [1, 2]) is None
