@@ -34,9 +34,11 @@
 #   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, host cost per
 #                                      # wrapper, engines with and without it (batch 1, 4)
 #   bash bench/gpu_session.sh gap      # plain decoding on FLASH_ATTN and TRITON_ATTN beside DDTree
-#                                      # drafting off from 4 requests and always on (batch 4-64,
+#                                      # drafting off from 4 requests, trees on Triton and on
+#                                      # FlashAttention (batch 4-64,
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
+#   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -220,15 +222,29 @@ case "$step" in
   gap)
     # What a drafting-off step costs beyond a plain one (session 7's open question):
     # plain decoding on FLASH_ATTN and on TRITON_ATTN (DDTree's backend) beside DDTree
-    # with drafting off from 4 requests and always on, one run, two repeats per cell;
-    # then cProfile of one plain and one drafting-off step at batch 4.
+    # with drafting off from 4 requests, its trees on Triton and on FlashAttention;
+    # one run, two repeats per cell (gap-profile: cProfile of the steps).
     prepare
-    read -r -a gconfigs <<< "${GAP_CONFIGS:-no-spec no-spec+tritonattn ddtree-b64-t512-d4 ddtree-b64-t512}"
+    read -r -a gconfigs <<< "${GAP_CONFIGS:-no-spec no-spec+tritonattn ddtree-b64-t512-d4 ddtree-b64-t512-d4+flashtree}"
     read -r -a gbatches <<< "${GAP_BATCH_SIZES:-4 16 64}"
     timeout 470 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-gap.json" --configs "${gconfigs[@]}" --batch-sizes "${gbatches[@]}" \
       --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
     echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
+    ;;
+  flashtree)
+    # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
+    # test against the dense reference, then engines beside the Triton route at
+    # batch 1 and 4 (acceptance must match; greedy match rates vs no-spec in bf16).
+    prepare
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tree_attention_flash.py \
+      tests/unit/test_tree_attention_split.py > "$OUT/gpu-flash-tree-tests.log" 2>&1
+    echo "flash tree tests rc=$?"; tail -3 "$OUT/gpu-flash-tree-tests.log"
+    timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-flash-tree.json" --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
+      --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90 \
+      > "$OUT/bench-flash-tree.log" 2>&1
+    echo "flash tree bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-flash-tree.log" | cut -c1-300
     ;;
   gap-profile)
     prepare
@@ -251,6 +267,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile|flashtree" >&2; exit 2 ;;
 esac
 done

@@ -114,7 +114,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 # ... or the full tree at every batch size (the default)
                 "fulldraft": ("VLLM_DDTREE_LEAN_DRAFT", "0"),
                 # the drafter's context store eager, as in vLLM (graphs are the default)
-                "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0")}
+                "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0"),
+                # trees verified on FlashAttention (context call + tree kernel, opt-in)
+                "flashtree": ("VLLM_DDTREE_TREE_ATTENTION", "flash")}
 
 
 # Name suffixes that set an engine argument instead: "no-spec+tritonattn" is plain

@@ -311,26 +311,79 @@ def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
     return message
 
 
-TREE_ATTENTION_BACKEND = "TRITON_ATTN"
+# Which backend verifies trees: the patched Triton unified attention (default), or
+# FlashAttention with the context / tree-suffix split (opt-in, route 2 of
+# docs/tree-attention.md).
+TREE_ATTENTION_ENV = "VLLM_DDTREE_TREE_ATTENTION"
+TREE_ATTENTION_BACKENDS = {"triton": "TRITON_ATTN", "flash": "FLASH_ATTN"}
+TREE_ATTENTION_BACKEND = TREE_ATTENTION_BACKENDS["triton"]
+
+
+def tree_attention_backend() -> str:
+    """The attention backend name DDTree verifies trees with (from the environment)."""
+    value = os.environ.get(TREE_ATTENTION_ENV, "triton").strip().lower()
+    if value not in TREE_ATTENTION_BACKENDS:
+        raise DDTreeConfigError(
+            f"{TREE_ATTENTION_ENV}={value!r}: choose one of "
+            f"{', '.join(sorted(TREE_ATTENTION_BACKENDS))}"
+        )
+    return TREE_ATTENTION_BACKENDS[value]
 
 
 def _select_tree_attention_backend(vllm_config: Any) -> None:
-    """Tree verification needs the per-request tree bias of the patched Triton
-    unified attention; pick that backend unless the user chose another one."""
+    """Tree verification needs a backend that applies per-request tree masks: the
+    patched Triton unified attention, or (``VLLM_DDTREE_TREE_ATTENTION=flash``) the
+    patched FlashAttention split. Pick it unless the user chose a backend, which
+    must then be that one."""
     attention_config = getattr(vllm_config, "attention_config", None)
     if attention_config is None:
         return
+    wanted = tree_attention_backend()
     chosen = attention_config.backend
     if chosen is None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        attention_config.backend = AttentionBackendEnum[TREE_ATTENTION_BACKEND]
-    elif getattr(chosen, "name", str(chosen)) != TREE_ATTENTION_BACKEND:
-        raise DDTreeConfigError(
-            f"ddtree verifies trees with the {TREE_ATTENTION_BACKEND} attention backend "
-            f"(per-request tree masks); attention backend {chosen.name} cannot apply "
-            "them. Leave the backend unset or choose TRITON_ATTN."
+        attention_config.backend = AttentionBackendEnum[wanted]
+    elif getattr(chosen, "name", str(chosen)) != wanted:
+        name = getattr(chosen, "name", str(chosen))
+        hint = (
+            f" (FLASH_ATTN verifies trees with {TREE_ATTENTION_ENV}=flash)"
+            if name == "FLASH_ATTN" else ""
         )
+        raise DDTreeConfigError(
+            f"ddtree verifies trees with the {wanted} attention backend "
+            f"(per-request tree masks); attention backend {name} cannot apply "
+            f"them{hint}. Leave the backend unset or choose {wanted}."
+        )
+    if wanted == "FLASH_ATTN":
+        validate_flash_tree_attention(vllm_config)
+
+
+def validate_flash_tree_attention(vllm_config: Any) -> None:
+    """What the FlashAttention tree split does not cover, refused at start-up."""
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if cache_dtype.startswith("fp8"):
+        raise DDTreeConfigError(
+            f"ddtree with {TREE_ATTENTION_ENV}=flash needs an unquantized KV cache "
+            f"(kv_cache_dtype={cache_dtype}): the tree part reads this step's K/V "
+            "unquantized while the context part reads the cache."
+        )
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
+    if dcp > 1:
+        raise DDTreeConfigError(
+            f"ddtree with {TREE_ATTENTION_ENV}=flash does not support decode context "
+            f"parallelism (decode_context_parallel_size={dcp})."
+        )
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    for field in ("sliding_window", "attn_logit_softcapping"):
+        value = getattr(hf_config, field, None)
+        if value and not (field == "sliding_window"
+                          and not getattr(hf_config, "use_sliding_window", True)):
+            raise DDTreeConfigError(
+                f"ddtree with {TREE_ATTENTION_ENV}=flash does not support targets with "
+                f"{field}={value}; use the default Triton tree attention."
+            )
 
 
 def validate_ddtree_request(params: Any) -> None:

@@ -325,31 +325,39 @@ def write_tree_attn_bias_fused(
     return out
 
 
+# Backends whose patched builders apply the tree bias, and the patch that adds it.
+TREE_BIAS_PATCHES = {
+    "TRITON_ATTN": "patches/attention_triton-per-request-tree-bias.patch",
+    "FLASH_ATTN": "patches/attention_flash-attn-tree-split.patch",
+}
+
+
 def register_tree_attn_bias(attn_groups: Iterable, bias: torch.Tensor) -> int:
-    """Point the target's TRITON_ATTN metadata builders at ``bias``.
+    """Point the target's attention metadata builders at ``bias``.
 
     ``attn_groups``: the target model runner's attention groups (a list of
     lists of ``vllm.v1.worker.utils.AttentionGroup``, or a flat list). Needs
     the patched vLLM (``tree_attn_bias`` attribute on the builder); raises a
-    clear error when a group uses another backend, because only TRITON_ATTN
-    can apply the tree mask. Call before CUDA-graph capture. Never pass the
-    drafter's groups: the drafter attends without a tree mask. Returns the
-    number of builders set.
+    clear error when a group uses a backend that cannot apply the tree mask
+    (TRITON_ATTN, or FLASH_ATTN with ``VLLM_DDTREE_TREE_ATTENTION=flash``). Call
+    before CUDA-graph capture. Never pass the drafter's groups: the drafter
+    attends without a tree mask. Returns the number of builders set.
     """
     count = 0
     for group in _flatten(attn_groups):
         backend_name = group.backend.get_name()
-        if backend_name != "TRITON_ATTN":
+        if backend_name not in TREE_BIAS_PATCHES:
             raise ValueError(
-                f"DDTree tree verification needs attention backend TRITON_ATTN for "
-                f"the target, but layers {group.layer_names[:3]}... use {backend_name}; "
+                f"DDTree tree verification needs attention backend TRITON_ATTN (or "
+                f"FLASH_ATTN with VLLM_DDTREE_TREE_ATTENTION=flash) for the target, but "
+                f"layers {group.layer_names[:3]}... use {backend_name}; "
                 'start vLLM with attention_config={"backend": "TRITON_ATTN"}'
             )
         for builder in group.metadata_builders:
             if not hasattr(builder, "tree_attn_bias"):
                 raise RuntimeError(
-                    "this vLLM lacks the tree_attn_bias hook: apply "
-                    "patches/attention_triton-per-request-tree-bias.patch"
+                    f"this vLLM lacks the tree_attn_bias hook of {backend_name}: apply "
+                    f"{TREE_BIAS_PATCHES[backend_name]}"
                 )
             builder.tree_attn_bias = bias
             count += 1

@@ -468,3 +468,8 @@ def test_the_profiler_starts_flagged_configs_like_the_benchmark(monkeypatch):
     assert seen["speculative_config"]["ddtree_disable_by_batch_size"] == 4
     profile_step.start_engine(args, "no-spec+tritonattn")
     assert seen["attention_config"] == {"backend": "TRITON_ATTN"}
+
+
+def test_flashtree_flag_selects_flashattention_tree_verification():
+    assert parse_config("ddtree-b64-t512-d4+flashtree").env == (
+        ("VLLM_DDTREE_TREE_ATTENTION", "flash"),)

@@ -223,6 +223,64 @@ def test_other_attention_backend_is_refused(target_config, spec32, monkeypatch):
         validate_ddtree_vllm_config(cfg)
 
 
+def test_flash_tree_attention_is_opt_in(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_DDTREE_TREE_ATTENTION", "flash")
+    cfg = _engine_config(target_config, spec32)
+    validate_ddtree_vllm_config(cfg)
+    assert cfg.attention_config.backend.name == "FLASH_ATTN"
+    # A user's explicit FLASH_ATTN is accepted with the switch ...
+    cfg = _engine_config(
+        target_config, spec32, attention_config=AttentionConfig(backend="FLASH_ATTN")
+    )
+    validate_ddtree_vllm_config(cfg)
+    # ... and TRITON_ATTN is then refused, naming the switch's backend.
+    cfg = _engine_config(
+        target_config, spec32, attention_config=AttentionConfig(backend="TRITON_ATTN")
+    )
+    with pytest.raises(DDTreeConfigError, match="FLASH_ATTN"):
+        validate_ddtree_vllm_config(cfg)
+
+
+def test_flash_refusal_without_the_switch_names_it(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_DDTREE_TREE_ATTENTION", raising=False)
+    cfg = _engine_config(
+        target_config, spec32, attention_config=AttentionConfig(backend="FLASH_ATTN")
+    )
+    with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_TREE_ATTENTION=flash"):
+        validate_ddtree_vllm_config(cfg)
+
+
+def test_bad_tree_attention_switch_is_refused(target_config, spec32, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_DDTREE_TREE_ATTENTION", "fa3")
+    with pytest.raises(DDTreeConfigError, match="VLLM_DDTREE_TREE_ATTENTION='fa3'"):
+        validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
+def test_flash_tree_attention_refuses_an_fp8_kv_cache(target_config, spec32, monkeypatch):
+    from vllm_ddtree.config import validate_flash_tree_attention
+
+    cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="fp8_e4m3"),
+                          parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
+                          model_config=None)
+    with pytest.raises(DDTreeConfigError, match="unquantized KV cache"):
+        validate_flash_tree_attention(cfg)
+    cfg.cache_config.cache_dtype = "auto"
+    cfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(DDTreeConfigError, match="decode context parallelism"):
+        validate_flash_tree_attention(cfg)
+    cfg.parallel_config.decode_context_parallel_size = 1
+    cfg.model_config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(
+        sliding_window=4096, use_sliding_window=True))
+    with pytest.raises(DDTreeConfigError, match="sliding_window=4096"):
+        validate_flash_tree_attention(cfg)
+    # Qwen3 configs name a window they do not use.
+    cfg.model_config.hf_text_config.use_sliding_window = False
+    validate_flash_tree_attention(cfg)
+
+
 def test_v1_runner_is_refused(target_config, spec32, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(DDTreeConfigError, match="V2 model runner"):

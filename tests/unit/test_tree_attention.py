@@ -137,12 +137,22 @@ def test_register_sets_every_target_builder_and_refuses_other_backends():
     ]
     assert register_tree_attn_bias(groups, bias) == 3
     assert all(b.tree_attn_bias is bias for b in builders)
-    fa = [SimpleNamespace(backend=_FakeBackend("FLASH_ATTN"), layer_names=["l0"], metadata_builders=[])]
+    # FLASH_ATTN's patched builders take the bias too (the opt-in tree split).
+    fa_builder = SimpleNamespace(tree_attn_bias=None)
+    fa = [SimpleNamespace(backend=_FakeBackend("FLASH_ATTN"), layer_names=["l0"],
+                          metadata_builders=[fa_builder])]
+    assert register_tree_attn_bias(fa, bias) == 1 and fa_builder.tree_attn_bias is bias
+    flashinfer = [SimpleNamespace(backend=_FakeBackend("FLASHINFER"), layer_names=["l0"],
+                                  metadata_builders=[])]
     with pytest.raises(ValueError, match="needs attention backend TRITON_ATTN"):
-        register_tree_attn_bias(fa, bias)
+        register_tree_attn_bias(flashinfer, bias)
     unpatched = [SimpleNamespace(backend=_FakeBackend("TRITON_ATTN"), layer_names=["l0"], metadata_builders=[object()])]
     with pytest.raises(RuntimeError, match="lacks the tree_attn_bias hook"):
         register_tree_attn_bias(unpatched, bias)
+    unpatched_fa = [SimpleNamespace(backend=_FakeBackend("FLASH_ATTN"), layer_names=["l0"],
+                                    metadata_builders=[object()])]
+    with pytest.raises(RuntimeError, match="attention_flash-attn-tree-split"):
+        register_tree_attn_bias(unpatched_fa, bias)
 
 
 def test_reference_causal_matches_sdpa():
