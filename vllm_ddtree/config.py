@@ -359,8 +359,19 @@ def _select_tree_attention_backend(vllm_config: Any) -> None:
         validate_flash_tree_attention(vllm_config)
 
 
+# The tree kernel of the FlashAttention split holds a (B+1)^2 score tile per program.
+FLASH_TREE_MAX_BUDGET = 127
+
+
 def validate_flash_tree_attention(vllm_config: Any) -> None:
     """What the FlashAttention tree split does not cover, refused at start-up."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    budget = getattr(spec, "num_speculative_tokens", None)
+    if isinstance(budget, int) and budget > FLASH_TREE_MAX_BUDGET:
+        raise DDTreeConfigError(
+            f"ddtree with {TREE_ATTENTION_ENV}=flash verifies trees of at most "
+            f"{FLASH_TREE_MAX_BUDGET} nodes; num_speculative_tokens={budget}."
+        )
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     if cache_dtype.startswith("fp8"):
         raise DDTreeConfigError(

@@ -262,6 +262,12 @@ def test_bad_tree_attention_switch_is_refused(target_config, spec32, monkeypatch
 def test_flash_tree_attention_refuses_an_fp8_kv_cache(target_config, spec32, monkeypatch):
     from vllm_ddtree.config import validate_flash_tree_attention
 
+    cfg = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=128),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1), model_config=None)
+    with pytest.raises(DDTreeConfigError, match="at most 127 nodes"):
+        validate_flash_tree_attention(cfg)
     cfg = types.SimpleNamespace(cache_config=types.SimpleNamespace(cache_dtype="fp8_e4m3"),
                           parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
                           model_config=None)
