@@ -299,15 +299,15 @@ def main(device: str, patch_path: str) -> dict:
         out = run_kernel(ua, singles, device, tree_bias_for(singles, device), use_3d_buffers=True)
         cases[f"decode_3d_{tag}"] = dict(err=err(out, reference(singles, [None] * 3)))
 
-        # Route 2 prototype: context part (torch stand-in for FA3) + the
-        # Triton tree-token kernel, merged by LSE.
+        # Route 2: context part (torch stand-in for FlashAttention) merged with the
+        # tree tokens by the Triton kernel.
         live_reqs = [r for r in uniform["requests"] if r[1] > 0]
         cases[f"route2_tree_{tag}"] = run_route2(uniform, live_reqs, device)
     return results
 
 
 def run_route2(batch, live_reqs, device):
-    from vllm_ddtree.tree_attention_triton import merge_by_lse, tree_token_attention
+    from vllm_ddtree.tree_attention_triton import merge_tree_suffix_attention
 
     num = len(live_reqs)
     qsl = batch["query_start_loc"][: num + 1]
@@ -329,10 +329,14 @@ def run_route2(batch, live_reqs, device):
     bias = allocate_tree_attn_bias(num + 2, TREE_NODES, device)
     parents = torch.stack([p for _, _, p in live_reqs]).to(device)
     write_tree_attn_bias(bias, parents)
-    tree_out, tree_lse = tree_token_attention(
-        q.to(device), k_new.to(device), v_new.to(device), bias, HEAD_SIZE**-0.5
+    merged = torch.empty_like(q).to(device)
+    merge_tree_suffix_attention(
+        merged, q.to(device), k_new.to(device), v_new.to(device),
+        ctx_out.to(device).to(q.dtype), ctx_lse.to(device),
+        torch.tensor(list(qsl), dtype=torch.int32, device=device),
+        torch.tensor(ctx_lens, dtype=torch.int32, device=device), bias, HEAD_SIZE**-0.5,
     )
-    merged = merge_by_lse(ctx_out, ctx_lse, tree_out.cpu().float(), tree_lse.cpu())
+    merged = merged.cpu().float()
     want = reference(batch, batch["tree_masks"])[:live]
     causal = reference(batch, [None] * len(batch["requests"]))[:live]
     return dict(err=err(merged, want), err_if_causal=err(merged, causal))
