@@ -473,6 +473,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_reqs = input_batch.num_reqs
         if self.profiler is not None:
             self.profiler.mark("verify", num_reqs)
+        if input_batch.num_draft_tokens == 0 and input_batch.num_tokens == num_reqs:
+            # One query token per request (decodes without drafts, budget-0 steps):
+            # attention reads only bias[r, 0, 0], which is 0 in every tree written
+            # and in the zeroed buffer, so the bias needs no rewrite.
+            self._verified_rows = None
+            return
         idx_mapping = input_batch.idx_mapping
         cu = input_batch.cu_num_logits
         if self.fused_kernels:

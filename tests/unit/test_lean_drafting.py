@@ -300,8 +300,9 @@ def _decode_graph_fake(spec, calls, positions):
 def _propose_aux(spec, num_reqs, num_tokens, positions):
     from vllm_ddtree.speculator import DDTreeSpeculator
 
+    # int32, as the runner's idx_mapping.
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
-                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs]),
+                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
                                   positions=positions[:num_tokens])
     aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
     z = torch.zeros(num_reqs)

@@ -193,3 +193,30 @@ def test_speculator_prepare_and_restore(triton_device, fused):
     # _compact_accepted_path's restore.
     batch.positions[spec._verified_rows] = spec._linear_positions
     assert torch.equal(batch.positions.cpu(), positions)
+
+
+def test_one_token_per_request_leaves_the_bias_alone(monkeypatch):
+    """Decodes without drafts read only bias[r, 0, 0] (0 in every tree): no rewrite.
+    A multi-token request without a tree (a short prefill chunk) still gets its row
+    zeroed, since the kernels apply the bias to its first tokens."""
+    pytest.importorskip("vllm")
+    import types
+
+    from vllm_ddtree import speculator as spec_module
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    writes = []
+    monkeypatch.setattr(spec_module, "write_tree_attn_bias_fused",
+                        lambda *a: writes.append(a))
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.profiler, spec.fused_kernels, spec.tree_depth = None, True, 4
+    spec.tree_attn_bias = spec.parents_by_state = torch.zeros(1)
+    spec._verified_rows = "stale"
+    decodes = types.SimpleNamespace(num_reqs=3, num_tokens=3, num_draft_tokens=0,
+                                    idx_mapping=None, cu_num_logits=None)
+    DDTreeSpeculator.prepare_tree_verification(spec, decodes)
+    assert writes == [] and spec._verified_rows is None
+    prefill = types.SimpleNamespace(num_reqs=2, num_tokens=5, num_draft_tokens=0,
+                                    idx_mapping=None, cu_num_logits=None)
+    DDTreeSpeculator.prepare_tree_verification(spec, prefill)
+    assert len(writes) == 1 and spec._verified_rows is None
