@@ -160,7 +160,7 @@ def test_real_flashattention_tree_split_matches_the_dense_reference(monkeypatch)
                 (25, NODES + 9, None)]
     b = make_batch(requests, 11, block=16, head_size=64, dtype=torch.bfloat16)
     impl, md, kv_cache, layer = _impl_and_metadata(b)
-    impl.vllm_flash_attn_version = get_flash_attn_version()
+    impl.vllm_flash_attn_version = get_flash_attn_version(head_size=64)
     impl.scale = b["scale"]
     impl.head_size = 64
     md.scheduler_metadata = None
