@@ -253,6 +253,8 @@ case "$step" in
       --configs no-spec ddtree-b64-t512-d4 --max-tokens 64 --out-dir "$OUT/profile" \
       > "$OUT/profile/profile-step.log" 2>&1
     echo "gap profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
+    python3 bench/compare_profiles.py "$OUT/profile/profile-no-spec-cprofile.txt" \
+      "$OUT/profile/profile-ddtree-b64-t512-d4-cprofile.txt" --top 25 | tee "$OUT/profile/compare.txt"
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
   profile)
