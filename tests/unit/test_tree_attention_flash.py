@@ -177,3 +177,45 @@ def test_real_flashattention_tree_split_matches_the_dense_reference(monkeypatch)
     err = (output.cpu().float() - want).abs().max().item()
     assert err < 3e-2, err
     assert (output.cpu().float() - dense_reference(b, causal_only=True).float()).abs().max() > 0.1
+
+
+def _cpu_builder(tree_bias):
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    builder = FlashAttentionMetadataBuilder.__new__(FlashAttentionMetadataBuilder)
+    builder.__dict__.update(
+        aot_schedule=False, aot_sliding_window=(-1, -1), use_full_cuda_graph=False,
+        max_cudagraph_size=None, max_num_splits=0, dcp_world_size=1, rswa_window=None,
+        cache_config=types.SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=torch.float16,
+        num_heads_q=HQ, num_heads_kv=HKV, headdim=D, block_size=16,
+        kv_cache_spec=types.SimpleNamespace(sliding_window=None), device=torch.device("cpu"),
+        tree_attn_bias=tree_bias,
+        _tree_context_lens=torch.full((8,), -7, dtype=torch.int32))
+    return builder
+
+
+def _common_metadata(q_lens, seq_lens):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq,
+        num_reqs=len(q_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=torch.zeros(len(q_lens), 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64))
+
+
+def test_the_builder_writes_context_lengths_into_its_persistent_buffer():
+    """build() with a tree bias: seq_len - query_len per request, in the builder's own
+    buffer (the address FULL CUDA graphs read), the rest of it untouched."""
+    bias = torch.zeros(8, NODES, NODES)
+    builder = _cpu_builder(bias)
+    md = builder.build(0, _common_metadata([NODES, 1, 3], [20, 9, 3]))
+    assert md.tree_attn_bias is bias
+    assert md.tree_context_lens.tolist() == [20 - NODES, 8, 0]
+    assert md.tree_context_lens.data_ptr() == builder._tree_context_lens.data_ptr()
+    assert builder._tree_context_lens[3:].tolist() == [-7] * 5
+    # Without a bias (the drafter's builders, plain FLASH_ATTN): no tree fields.
+    md = _cpu_builder(None).build(0, _common_metadata([2], [5]))
+    assert md.tree_attn_bias is None and md.tree_context_lens is None
