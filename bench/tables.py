@@ -19,14 +19,17 @@ import json
 import os
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.run import all_steps_fields  # noqa: E402
+
 
 def _verified_all_steps(row: dict) -> float | None:
     if "verified_tokens_per_forward_all_steps" in row:
         return row["verified_tokens_per_forward_all_steps"]
     # Results recorded before the field existed: the same figure from their counters.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from run import all_steps_fields
-
     return all_steps_fields(row).get("verified_tokens_per_forward_all_steps")
 
 

@@ -344,8 +344,7 @@ def _select_tree_attention_backend(vllm_config: Any) -> None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         attention_config.backend = AttentionBackendEnum[wanted]
-    elif getattr(chosen, "name", str(chosen)) != wanted:
-        name = getattr(chosen, "name", str(chosen))
+    elif (name := getattr(chosen, "name", str(chosen))) != wanted:
         hint = (
             f" (FLASH_ATTN verifies trees with {TREE_ATTENTION_ENV}=flash)"
             if name == "FLASH_ATTN" else ""

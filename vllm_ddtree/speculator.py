@@ -384,14 +384,12 @@ class DDTreeSpeculator(DFlashSpeculator):
             s for s in decode_sizes if s >= self.max_num_reqs][:1]
         if not decode_sizes:
             return None
-        self._aux_states = torch.zeros(
-            max(decode_sizes), width, dtype=self.dtype, device=self.device
-        )
+        aux_states = torch.zeros(max(decode_sizes), width, dtype=self.dtype, device=self.device)
         gids = self.draft_kv_cache_group_ids
         rows = [gids[g] for g in self._layer_group_idx] if per_layer else [gids[0]]
         return ContextStoreGraphs(
             store,
-            self._aux_states,
+            aux_states,
             self.target_input_buffers.positions,
             self.block_tables.slot_mappings,
             rows,
@@ -412,7 +410,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 or padded_graph_size(graphs.sizes, num_tokens) is None):
             return False
         torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1,
-                  out=self._aux_states[:num_tokens])
+                  out=graphs.states[:num_tokens])
         graphs.replay(num_tokens)
         self.valid_by_state[input_batch.idx_mapping, 1:] = False
         return True
@@ -595,8 +593,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         profiler = None if dummy_run else self.profiler
         if profiler is not None:
             profiler.mark("propose")
-        if (not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0
-                and self._store_decode_context(input_batch, aux_hidden_states)):
+        # Budget 0: the scheduler verifies no drafts after this step.
+        no_drafts = not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0
+        if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
             # No drafts verified, none to draft: the drafter's context in one replay.
             self._pending_compaction = False
             self._verified_rows = None
@@ -617,8 +616,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._pending_compaction = False
         self._verified_rows = None
 
-        if not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0:
-            # No drafts at this batch size: the scheduler verifies none next step.
+        if no_drafts:
             # Store the drafter's context (so drafting resumes at full acceptance
             # when the batch shrinks) and skip the drafter's query forward, its
             # attention metadata and the trees.

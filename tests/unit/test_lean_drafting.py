@@ -292,7 +292,7 @@ def _decode_graph_fake(spec, calls, positions):
                                 torch.zeros(1, 16, dtype=torch.int64), [0], False, [4],
                                 combine_fn=lambda x: x, pad_slots=False)
     graphs.graphs[4] = types.SimpleNamespace(replay=lambda: replays.append(aux_states.clone()))
-    spec._decode_context_graphs, spec._aux_states = graphs, aux_states
+    spec._decode_context_graphs = graphs
     spec.model.combine_hidden_states = lambda x: x[:, :5]
     return replays
 
@@ -382,7 +382,7 @@ def test_decode_graphs_cover_the_batch_sizes_that_draft_nothing():
     # Budget 0 from 3 requests on, at most 8 requests: sizes 4 and 8 (3 pads to 4).
     assert graphs.sizes == [4, 8] and padded_graph_size(graphs.sizes, 3) == 4
     assert graphs.slot_rows == [2] and not graphs.per_layer and not graphs.pad_slots
-    assert spec._aux_states.shape == (8, 12)
+    assert graphs.states.shape == (8, 12)
     # Per-layer groups: each layer reads its own group's row of the runner's slots.
     spec = _decode_graph_spec([0, 8, 8, 0, 0, 0, 0, 0, 0], layer_group_idx=[1, 0, 1])
     graphs = spec._decode_context_graphs_for(lambda *a: None, True, capture_sizes)
