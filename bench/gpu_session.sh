@@ -39,6 +39,7 @@
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
+#   bash bench/gpu_session.sh flashtests   # the GPU test alone
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -232,14 +233,16 @@ case "$step" in
       --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
     echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
     ;;
-  flashtree)
+  flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
-    # test against the dense reference, then engines beside the Triton route at
-    # batch 1 and 4 (acceptance must match; greedy match rates vs no-spec in bf16).
+    # test against the dense reference (flashtests stops here), then engines beside
+    # the Triton route at batch 1 and 4 (acceptance must match; greedy match rates
+    # vs no-spec in bf16).
     prepare
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tree_attention_flash.py \
       tests/unit/test_tree_attention_split.py > "$OUT/gpu-flash-tree-tests.log" 2>&1
     echo "flash tree tests rc=$?"; tail -3 "$OUT/gpu-flash-tree-tests.log"
+    [ "$step" = flashtree ] || continue
     timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
       --out "$OUT/bench-flash-tree.json" --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
       --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90 \
@@ -269,6 +272,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile|flashtree" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
 esac
 done

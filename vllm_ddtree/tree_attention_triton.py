@@ -51,6 +51,7 @@ def _merge_tree_suffix_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_SIZE_PADDED: tl.constexpr,
     N_PADDED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -72,7 +73,7 @@ def _merge_tree_suffix_kernel(
                 mask=io_mask, other=0.0)
     v = tl.load(v_ptr + tok[:, None] * stride_v_t + kv_head * stride_v_h + dims[None, :],
                 mask=io_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
     # Causal and the tree's ancestor mask (ancestors precede their nodes; rows
     # of requests without a tree are 0, i.e. plain causal).
     pair_ok = row_ok[:, None] & row_ok[None, :] & (rows[:, None] >= rows[None, :])
@@ -83,7 +84,7 @@ def _merge_tree_suffix_kernel(
     m = tl.where(m > float("-inf"), m, 0.0)  # padding rows: avoid -inf - -inf
     p = tl.exp(s - m[:, None])
     l_sfx = tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
 
     # Merge with the context part by log-sum-exp; no context (a first prefill
     # chunk) means the context part's output and LSE are undefined: weight 0.
@@ -163,6 +164,9 @@ def merge_tree_suffix_attention(
         HEAD_SIZE=head_size,
         HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
         N_PADDED=max(16, triton.next_power_of_2(n)),
+        # float32 models (the exactness checks) keep float32 products; TF32 would
+        # round them to 10 mantissa bits (1e-3 errors on the GPU).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
 
 
