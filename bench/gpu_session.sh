@@ -16,7 +16,8 @@
 #                                      # BENCH_PROFILE=1 also records DDTree's step profile
 #                                      # (its events cost DDTree host time: off by default)
 #                                      # BENCH_CONFIGS, BENCH_BATCH_SIZES pick engines and sizes;
-#                                      # BENCH_REPEATS, BENCH_MIN_REQUESTS fight the noise
+#                                      # BENCH_REPEATS, BENCH_MIN_REQUESTS fight the noise;
+#                                      # BENCH_ENGINE_ROUNDS starts every engine N times
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
@@ -37,6 +38,8 @@
 #                                      # drafting off from 4 requests, trees on Triton and on
 #                                      # FlashAttention (batch 4-64,
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
+#   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
+#                                      # from 4, each engine started twice (A B B A), T=0
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
@@ -137,6 +140,7 @@ case "$step" in
       --out "$OUT/bench-fixture.json" --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
       --configs "${configs[@]}" ${BENCH_BATCH_SIZES:+--batch-sizes $BENCH_BATCH_SIZES} \
       ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_MIN_REQUESTS:+--min-requests $BENCH_MIN_REQUESTS} \
+      ${BENCH_ENGINE_ROUNDS:+--engine-rounds $BENCH_ENGINE_ROUNDS} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
     echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
     ;;
@@ -233,6 +237,19 @@ case "$step" in
       --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
     echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
     ;;
+  rounds)
+    # Engine-to-engine noise against the configurations' difference: every engine
+    # started ROUNDS_N times in alternating order (A B, B A), T=0 (session 8's gap run
+    # saw two plain-decoding engines differ by up to 50 % in one cell).
+    prepare
+    read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d4}"
+    read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
+    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-rounds.json" --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
+      --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 16 \
+      --time-budget-s 540 --engine-estimate-s 110 > "$OUT/bench-rounds.log" 2>&1
+    echo "rounds bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-rounds.log" | cut -c1-300
+    ;;
   flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
     # test against the dense reference (flashtests stops here), then engines beside
@@ -272,6 +289,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
 esac
 done

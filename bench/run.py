@@ -450,6 +450,60 @@ def merge_repeats(summaries: list[dict]) -> dict:
     return merged
 
 
+@dataclass
+class CellRuns:
+    """Every measured run of one cell (config, prompt set, batch size, temperature)
+    over the engine rounds of a run (``--engine-rounds``): the runs' summaries, the
+    median tokens/s of each engine, the spec counters summed over all runs and each
+    round's greedy comparison."""
+    summaries: list[dict] = field(default_factory=list)
+    engine_tokens_per_s: list[float] = field(default_factory=list)
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    greedy: list[dict] = field(default_factory=list)
+
+    def add_engine(self, summaries: list[dict], counters: list[SpecCounters],
+                   greedy: dict | None) -> None:
+        self.summaries += summaries
+        self.engine_tokens_per_s.append(
+            _r(statistics.median(s["output_tokens_per_s"] for s in summaries), 2))
+        for c in counters:
+            self.counters = self.counters.plus(c)
+        if greedy:
+            self.greedy.append(greedy)
+
+    def entry(self, config: str, method: str | None, prompt_set: str, batch: int,
+              temperature: float) -> dict:
+        """The cell's result row: :func:`merge_repeats` over every run of every engine
+        (medians; ``repeats`` counts them all), the summed counters and, with more
+        than one engine, each engine's tokens/s and their spread. Greedy fields: the
+        engine with the fewest outputs identical to no speculation's."""
+        entry = dict(config=config, prompt_set=prompt_set, batch_size=batch,
+                     temperature=temperature, **merge_repeats(self.summaries),
+                     **self.counters.summary())
+        if len(self.engine_tokens_per_s) > 1:
+            tps = self.engine_tokens_per_s
+            med = statistics.median(tps)
+            entry["engine_rounds"] = len(tps)
+            entry["output_tokens_per_s_engines"] = list(tps)
+            entry["output_tokens_per_s_engine_spread"] = (
+                round((max(tps) - min(tps)) / med, 4) if med else None)
+        if method is not None and self.counters.drafts:
+            # Each step verifies batch * (1 + drafts) tokens.
+            entry["verified_tokens_per_forward"] = round(
+                batch * (1 + self.counters.draft_tokens / self.counters.drafts), 1)
+            entry.update(all_steps_fields(entry))
+        if self.greedy:
+            entry.update(min(self.greedy, key=lambda g: g["greedy_identical"]))
+        return entry
+
+
+def round_order(configs: list, round_index: int) -> list:
+    """Engine order of one round: as given in even rounds, reversed in odd ones (A B C,
+    C B A, ...), so a drift of the machine over the run weighs on every configuration
+    alike."""
+    return list(configs) if round_index % 2 == 0 else list(reversed(configs))
+
+
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -669,6 +723,68 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
+def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig,
+                   rnd: int, prompt_sets: dict, rec: Recorder, cells: dict, rows: dict,
+                   reference: dict, exact: bool) -> None:
+    """One engine of ``cfg`` (engine round ``rnd``): warm-up, then every cell
+    ``args.repeats`` times; each cell's row in ``rec`` merges every engine so far."""
+    t_engine = time.time()
+    try:
+        llm, profile = _engine(args, suite, target, drafter, cfg)
+    except Exception as exc:  # record and go on with the next config
+        rec.doc["engines"].append({"config": cfg.name, "round": rnd, "error": repr(exc)[:2000]})
+        rec.save()
+        print(f"engine {cfg.name} failed: {exc!r}", flush=True)
+        return
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
+           "async_scheduling": getattr(sched, "async_scheduling", None),
+           "speculative_config": cfg.speculative_config(drafter)}
+    # Warm-up outside the measurement, at every batch size and temperature: the
+    # first use of a shape compiles kernel variants (vLLM's and ours) and
+    # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls
+    # as a few slow cells (e.g. DDTree batch 4 HumanEval T=0: 1.02 s vs 0.65 s).
+    first = next(iter(prompt_sets.values()))
+    for temp in sorted(set(suite.temperatures)):
+        for batch in suite.batch_sizes:
+            run_cell(llm, first[:batch], batch, temp, 8, suite.dummy)
+    for set_name, prompts in prompt_sets.items():
+        for temp in suite.temperatures:
+            for batch in suite.batch_sizes:
+                reqs = prompts[: requests_for(batch, suite.min_requests)]
+                runs = [run_cell(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
+                        for _ in range(args.repeats)]
+                outs = runs[0][0]  # the repeats generate the same tokens
+                key = (set_name, batch, temp)
+                greedy = None
+                if temp == 0.0:
+                    if cfg.method is None:
+                        reference.setdefault(key, outs)
+                    elif key in reference and not suite.dummy:
+                        greedy = greedy_fields(outs, reference[key], exact)
+                cell = cells.setdefault((cfg.name, *key), CellRuns())
+                cell.add_engine([r[1] for r in runs], [r[2] for r in runs], greedy)
+                entry = cell.entry(cfg.name, cfg.method, set_name, batch, temp)
+                row = rows.setdefault((cfg.name, *key), len(rec.doc["results"]))
+                if row == len(rec.doc["results"]):
+                    rec.doc["results"].append(entry)
+                else:
+                    rec.doc["results"][row] = entry
+                rec.save()
+                print(json.dumps({k: entry.get(k) for k in (
+                    "config", "prompt_set", "batch_size", "temperature", "tau",
+                    "output_tokens_per_s", "time_per_output_token_ms", "greedy_match",
+                    "greedy_identical")} | ({"round": rnd} if args.engine_rounds > 1 else {})),
+                    flush=True)
+    eng["engine_s"] = round(time.time() - t_engine, 1)
+    if profile and os.path.exists(profile):
+        with open(profile) as f:
+            eng["step_profile"] = json.load(f)
+    rec.doc["engines"].append(eng)
+    rec.save()
+    _free(llm)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=sorted(SUITES), default="fixture")
@@ -684,6 +800,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int)
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure every cell this many times in a row (median + spread)")
+    ap.add_argument("--engine-rounds", type=int, default=1,
+                    help="start every configuration's engine this many times, in "
+                         "alternating order (A B, B A, ...); a cell's tokens/s is the median "
+                         "over all its runs, each engine's median and their spread are kept")
     ap.add_argument("--dtype")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (correctness runs)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -715,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.engine_rounds < 1:
+        ap.error(f"--engine-rounds must be >= 1, got {args.engine_rounds}")
 
     # Read by vLLM when an engine starts; request timestamps are monotonic-clock
     # readings either way, comparable across the two processes.
@@ -769,71 +891,19 @@ def main(argv: list[str] | None = None) -> int:
     ))
     reference: dict[tuple, list[list[int]]] = {}
     exact = rec.doc["greedy_exact"]
-    for cfg in configs:
-        elapsed = time.time() - t_start
-        if args.time_budget_s and elapsed + args.engine_estimate_s > args.time_budget_s:
-            rec.doc["skipped"].append({"config": cfg.name, "reason": f"time budget ({elapsed:.0f}s used)"})
-            rec.save()
-            print(f"skip {cfg.name}: time budget", flush=True)
-            continue
-        t_engine = time.time()
-        try:
-            llm, profile = _engine(args, suite, target, drafter, cfg)
-        except Exception as exc:  # record and go on with the next config
-            rec.doc["engines"].append({"config": cfg.name, "error": repr(exc)[:2000]})
-            rec.save()
-            print(f"engine {cfg.name} failed: {exc!r}", flush=True)
-            continue
-        sched = llm.llm_engine.vllm_config.scheduler_config
-        eng = {"config": cfg.name, "startup_s": round(time.time() - t_engine, 1),
-               "async_scheduling": getattr(sched, "async_scheduling", None),
-               "speculative_config": cfg.speculative_config(drafter)}
-        # Warm-up outside the measurement, at every batch size and temperature: the
-        # first use of a shape compiles kernel variants (vLLM's and ours) and
-        # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls
-        # as a few slow cells (e.g. DDTree batch 4 HumanEval T=0: 1.02 s vs 0.65 s).
-        first = next(iter(prompt_sets.values()))
-        for temp in sorted(set(suite.temperatures)):
-            for batch in suite.batch_sizes:
-                run_cell(llm, first[:batch], batch, temp, 8, suite.dummy)
-        for set_name, prompts in prompt_sets.items():
-            for temp in suite.temperatures:
-                for batch in suite.batch_sizes:
-                    reqs = prompts[: requests_for(batch, suite.min_requests)]
-                    runs = [run_cell(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
-                            for _ in range(args.repeats)]
-                    outs = runs[0][0]  # the repeats generate the same tokens
-                    summary = merge_repeats([r[1] for r in runs])
-                    delta = SpecCounters()
-                    for r in runs:
-                        delta = delta.plus(r[2])
-                    entry = dict(config=cfg.name, prompt_set=set_name, batch_size=batch,
-                                 temperature=temp, **summary, **delta.summary())
-                    if cfg.method is not None and delta.drafts:
-                        # Steps per request-step: each step verifies batch * (1 + drafts) tokens.
-                        entry["verified_tokens_per_forward"] = round(
-                            batch * (1 + delta.draft_tokens / delta.drafts), 1)
-                        entry.update(all_steps_fields(entry))
-                    key = (set_name, batch, temp)
-                    if temp == 0.0:
-                        if cfg.method is None:
-                            reference[key] = outs
-                        elif key in reference and not suite.dummy:
-                            entry.update(greedy_fields(outs, reference[key], exact))
-                    rec.doc["results"].append(entry)
-                    rec.save()
-                    print(json.dumps({k: entry.get(k) for k in (
-                        "config", "prompt_set", "batch_size", "temperature", "tau",
-                        "output_tokens_per_s", "time_per_output_token_ms", "greedy_match",
-                        "greedy_identical")}),
-                        flush=True)
-        eng["engine_s"] = round(time.time() - t_engine, 1)
-        if profile and os.path.exists(profile):
-            with open(profile) as f:
-                eng["step_profile"] = json.load(f)
-        rec.doc["engines"].append(eng)
-        rec.save()
-        _free(llm)
+    cells: dict[tuple, CellRuns] = {}
+    rows: dict[tuple, int] = {}  # cell -> its index in rec.doc["results"]
+    for rnd in range(args.engine_rounds):
+        for cfg in round_order(configs, rnd):
+            elapsed = time.time() - t_start
+            if args.time_budget_s and elapsed + args.engine_estimate_s > args.time_budget_s:
+                rec.doc["skipped"].append({"config": cfg.name, "round": rnd,
+                                           "reason": f"time budget ({elapsed:.0f}s used)"})
+                rec.save()
+                print(f"skip {cfg.name} (round {rnd}): time budget", flush=True)
+                continue
+            measure_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec,
+                           cells, rows, reference, exact)
     rec.doc["wall_s"] = round(time.time() - t_start, 1)
     if suite.dummy:
         rec.doc["cost_model"] = cost_model(rec.doc["results"])

@@ -2,7 +2,7 @@
 """Markdown tables of a ``bench/run.py`` result, as docs/benchmarks.md shows them.
 
 One table per (prompt set, temperature): output tokens/s (tau) of every configuration
-by batch size, then DDTree's tokens/s divided by the better of the chain
+by batch size (with ``--engine-rounds``, each engine's tokens/s in brackets), then DDTree's tokens/s divided by the better of the chain
 configurations in each cell and by no speculation's, and DDTree's verified tokens per
 target forward over all of the cell's steps (with drafting off at large batches most
 steps verify none).
@@ -34,8 +34,13 @@ def _verified_all_steps(row: dict) -> float | None:
 
 
 def _fmt_cell(row: dict) -> str:
-    tps = f"{row['output_tokens_per_s']:.0f}"
-    return f"{tps} ({row['tau']:.2f})" if row.get("tau") else tps
+    """tokens/s (tau), and with several engine rounds each engine's tokens/s in brackets."""
+    text = f"{row['output_tokens_per_s']:.0f}"
+    if row.get("tau"):
+        text += f" ({row['tau']:.2f})"
+    if row.get("output_tokens_per_s_engines"):
+        text += " [" + " / ".join(f"{v:.0f}" for v in row["output_tokens_per_s_engines"]) + "]"
+    return text
 
 
 def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "no-spec") -> str:

@@ -396,6 +396,76 @@ def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
     assert len(measured) == 2 * 3
 
 
+def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monkeypatch):
+    """--engine-rounds 2: each configuration's engine starts twice, in the order A B
+    then B A; a cell is one row whose median runs over both engines (its repeats count
+    all runs, its counters sum them) and which keeps each engine's tokens/s."""
+    import json
+    import types
+
+    import bench.run as run
+
+    engines, calls = [], []
+    fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+
+    def fake_engine(args, suite, target, drafter, cfg):
+        engines.append(cfg.name)
+        return fake_llm, None
+
+    monkeypatch.setattr(run, "_engine", fake_engine)
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+
+    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy):
+        calls.append(engines[-1])
+        # Each engine its own speed: the first engine of a config 1 s per cell, the second 2 s.
+        wall = 1.0 if engines.count(engines[-1]) == 1 else 2.0
+        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
+                                   [wall] * len(prompts), [0.002] * len(prompts))
+        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+
+    monkeypatch.setattr(run, "run_cell", fake_run_cell)
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec", "dflash",
+                     "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "4",
+                     "--repeats", "2", "--engine-rounds", "2"]) == 0
+    assert engines == ["no-spec", "dflash", "dflash", "no-spec"]
+    doc = json.loads(out.read_text())
+    assert [(e["config"], e["round"]) for e in doc["engines"]] == [
+        ("no-spec", 0), ("dflash", 0), ("dflash", 1), ("no-spec", 1)]
+    rows = doc["results"]
+    assert [r["config"] for r in rows] == ["no-spec", "dflash"]
+    for r in rows:
+        tokens = r["output_tokens"]  # per run; the first engine 1 s per run, the second 2 s
+        assert r["repeats"] == 4 and r["engine_rounds"] == 2
+        assert r["output_tokens_per_s_engines"] == [tokens, tokens / 2]
+        assert r["output_tokens_per_s_engine_spread"] == round(0.5 / 0.75, 4)
+        assert r["output_tokens_per_s"] == 0.75 * tokens  # the median of t, t, t/2, t/2
+    dflash = rows[1]
+    # 4 runs x (2 drafts, 1 accepted): tau 1.5; 8 drafts.
+    assert dflash["tau"] == 1.5 and dflash["num_drafts"] == 8
+
+
+def test_a_cell_reports_the_engine_with_the_fewest_identical_outputs():
+    from bench.run import CellRuns, cell_summary
+
+    cell = CellRuns()
+    summary = cell_summary([[1, 2]], 1.0, [1.0], [0.001])
+    cell.add_engine([summary], [], {"greedy_identical": 5, "greedy_total": 5})
+    cell.add_engine([summary], [], {"greedy_identical": 4, "greedy_total": 5})
+    entry = cell.entry("ddtree-b32", "ddtree", "humaneval", 1, 0.0)
+    assert entry["greedy_identical"] == 4 and entry["engine_rounds"] == 2
+    assert "tau" not in entry  # no drafts counted
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_engine_rounds_must_be_positive(tmp_path, rounds):
+    from bench.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "r.json"), "--engine-rounds", rounds])
+
+
 def test_all_steps_fields_count_the_steps_that_verified_no_drafts():
     from bench.run import all_steps_fields
 

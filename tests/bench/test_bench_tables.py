@@ -40,6 +40,14 @@ def test_ratios_use_the_better_chain_per_cell_and_skip_missing_cells():
     assert "| DDTree verified tokens per forward (all steps) | 65 | 260 |" in lines
 
 
+def test_engine_rounds_show_each_engines_tokens_per_second():
+    row = dict(_cell("no-spec", 1, 500.0), output_tokens_per_s_engines=[480.4, 521.0])
+    text = markdown_tables({"results": [row, _cell("dflash", 1, 300.0, 1.36),
+                                        _cell("ddtree", 1, 520.0, 2.01)]},
+                           "ddtree", ["dflash"])
+    assert "| no-spec | 500 [480 / 521] |" in text.splitlines()
+
+
 def test_verified_tokens_of_older_results_come_from_their_counters():
     """Results recorded before the all-steps field: recomputed from the counters, so
     a cell where drafting was mostly off shows the few tokens it really verified."""
