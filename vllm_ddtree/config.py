@@ -385,7 +385,15 @@ def validate_flash_tree_attention(vllm_config: Any) -> None:
             f"ddtree with {TREE_ATTENTION_ENV}=flash does not support decode context "
             f"parallelism (decode_context_parallel_size={dcp})."
         )
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
+    dtype = getattr(model_config, "dtype", None)
+    if dtype is not None and str(dtype).removeprefix("torch.") not in ("float16", "bfloat16"):
+        raise DDTreeConfigError(
+            f"ddtree with {TREE_ATTENTION_ENV}=flash needs a float16 or bfloat16 model "
+            f"(dtype={str(dtype).removeprefix('torch.')}): FlashAttention has no kernels "
+            "for it; use the default Triton tree attention."
+        )
+    hf_config = getattr(model_config, "hf_text_config", None)
     for field in ("sliding_window", "attn_logit_softcapping"):
         value = getattr(hf_config, field, None)
         if value and not (field == "sliding_window"

@@ -8,6 +8,7 @@ import json
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 from vllm.config import (  # noqa: E402
@@ -276,6 +277,12 @@ def test_flash_tree_attention_refuses_an_fp8_kv_cache(target_config, spec32, mon
         validate_flash_tree_attention(cfg)
     # Qwen3 configs name a window they do not use.
     cfg.model_config.hf_text_config.use_sliding_window = False
+    validate_flash_tree_attention(cfg)
+    # FlashAttention has no float32 kernels (the exactness checks run float32).
+    cfg.model_config.dtype = torch.float32
+    with pytest.raises(DDTreeConfigError, match="float16 or bfloat16 model.*dtype=float32"):
+        validate_flash_tree_attention(cfg)
+    cfg.model_config.dtype = torch.bfloat16
     validate_flash_tree_attention(cfg)
 
 
