@@ -40,6 +40,7 @@
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
 #   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
 #                                      # from 4, each engine started twice (A B B A), T=0
+#   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
@@ -237,6 +238,21 @@ case "$step" in
       --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
     echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
     ;;
+  auto)
+    # ddtree_tokens_per_step="auto": the token target measured at start-up
+    # (vllm_ddtree.cost_model); the engine log has the measured curve, the result
+    # JSON the schedule the workers run. AUTO_CONFIGS adds e.g. ddtree-b64-t512.
+    prepare
+    read -r -a aconfigs <<< "${AUTO_CONFIGS:-ddtree-b64-tauto}"
+    read -r -a abatches <<< "${AUTO_BATCH_SIZES:-1 4 16 64}"
+    read -r -a asets <<< "${AUTO_PROMPT_SETS:-humaneval sharegpt}"
+    read -r -a atemps <<< "${AUTO_TEMPERATURES:-0 1}"
+    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
+      --out "$OUT/bench-auto.json" --configs "${aconfigs[@]}" --batch-sizes "${abatches[@]}" \
+      --prompt-sets "${asets[@]}" --temperatures "${atemps[@]}" --min-requests 16 \
+      --time-budget-s 540 --engine-estimate-s 110 > "$OUT/bench-auto.log" 2>&1
+    echo "auto bench rc=$?"; grep '^{\|skip\|failed\|cost model' "$OUT/bench-auto.log" | cut -c1-400
+    ;;
   rounds)
     # Engine-to-engine noise against the configurations' difference: every engine
     # started ROUNDS_N times in alternating order (A B, B A), T=0 (session 8's gap run
@@ -289,6 +305,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|auto|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
 esac
 done

@@ -63,14 +63,15 @@ DFLASH_CHAIN_TOKENS = 15  # a block-16 drafter predicts 15 tokens per pass
 class BenchConfig:
     """One engine: ``no-spec``, ``dflash`` (the chain, K=15) or ``ddtree-b<B>``;
     a ``-t<T>`` suffix makes the budget batch-aware: about T verified tokens per
-    forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K); a
+    forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K;
+    ``-tauto``: T measured at start-up, DDTree only, :mod:`vllm_ddtree.cost_model`); a
     ``-d<N>`` suffix stops drafting from N running requests on (budget 0:
     ``ddtree_disable_by_batch_size``; for the chain, the same schedule)."""
 
     name: str
     method: str | None
     num_speculative_tokens: int = 0
-    tokens_per_step: int | None = None
+    tokens_per_step: int | str | None = None  # "auto": measured at start-up (DDTree)
     disable_by_batch_size: int | None = None
     # Environment for the engine (its engine-core process inherits it at start).
     env: tuple[tuple[str, str], ...] = ()
@@ -141,7 +142,7 @@ def parse_config(name: str) -> BenchConfig:
 
 
 _CONFIG_NAME = re.compile(r"(?P<base>no-spec|dflash|ddtree-b(?P<budget>\d+))"
-                          r"(?:-t(?P<tokens>\d+))?(?:-d(?P<disable>\d+))?")
+                          r"(?:-t(?P<tokens>\d+|auto))?(?:-d(?P<disable>\d+))?")
 
 
 def _parse_core_config(name: str) -> BenchConfig:
@@ -154,8 +155,11 @@ def _parse_core_config(name: str) -> BenchConfig:
             "ddtree-b<budget>[-t<T>][-d<N>] (e.g. ddtree-b32, ddtree-b64-t512, "
             "ddtree-b64-t512-d16)"
         )
-    tokens = int(m["tokens"]) if m["tokens"] else None
-    if tokens is not None and tokens < 2:
+    if m["tokens"] == "auto" and m["base"] == "dflash":
+        raise ValueError(f"bad benchmark config {name!r}: -tauto (the token target "
+                         "measured at start-up) is DDTree's; give the chain a number")
+    tokens = m["tokens"] if m["tokens"] == "auto" else int(m["tokens"]) if m["tokens"] else None
+    if isinstance(tokens, int) and tokens < 2:
         raise ValueError(f"bad benchmark config {name!r}: -t<tokens per step> needs "
                          "an integer >= 2")
     disable = int(m["disable"]) if m["disable"] else None
@@ -740,6 +744,11 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
            "async_scheduling": getattr(sched, "async_scheduling", None),
            "speculative_config": cfg.speculative_config(drafter)}
+    if cfg.tokens_per_step == "auto":
+        # The schedule the workers measured and run (the front end keeps the provisional one).
+        from vllm_ddtree.cost_model import worker_budget_schedule
+
+        eng["measured_budget_schedule"] = llm.collective_rpc(worker_budget_schedule)[0]
     # Warm-up outside the measurement, at every batch size and temperature: the
     # first use of a shape compiles kernel variants (vLLM's and ours) and
     # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls

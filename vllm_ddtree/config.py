@@ -26,6 +26,7 @@ Options (fields of vLLM's ``SpeculativeConfig``):
     Optional verification-token target per forward: the budget shrinks as the batch
     grows (:mod:`vllm_ddtree.budget`), through vLLM's
     ``num_speculative_tokens_per_batch_size``, which may also be given directly.
+    ``"auto"`` measures the target at start-up (:mod:`vllm_ddtree.cost_model`).
     Either needs asynchronous scheduling (the default).
 ``ddtree_disable_by_batch_size``
     Optional: from this many running requests on, steps decode without drafts (budget
@@ -149,39 +150,50 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             "verifies by walking the tree with the target's own samples (leave it "
             "'standard')."
         )
-    tokens_per_step = getattr(spec_config, "ddtree_tokens_per_step", None)
-    if tokens_per_step is not None:
-        _check_int("ddtree_tokens_per_step", tokens_per_step, 2, 1 << 20)
-        if getattr(spec_config, "num_speculative_tokens_per_batch_size", None) is not None:
-            raise DDTreeConfigError(
-                "ddtree: set either ddtree_tokens_per_step or "
-                "num_speculative_tokens_per_batch_size, not both (the first computes "
-                "the second)."
-            )
-        from vllm_ddtree.budget import budget_schedule
+    from vllm_ddtree.cost_model import ddtree_budget_schedule, is_auto, provisional_schedule
 
-        spec_config.num_speculative_tokens_per_batch_size = budget_schedule(
-            tokens_per_step, budget
-        )
+    tokens_per_step = getattr(spec_config, "ddtree_tokens_per_step", None)
+    auto = is_auto(tokens_per_step)
+    if auto:
+        spec_config.ddtree_tokens_per_step = tokens_per_step = "auto"
+    elif tokens_per_step is not None:
+        if isinstance(tokens_per_step, str):
+            raise DDTreeConfigError(
+                f"ddtree: ddtree_tokens_per_step must be an integer or \"auto\", got "
+                f"{tokens_per_step!r}."
+            )
+        _check_int("ddtree_tokens_per_step", tokens_per_step, 2, 1 << 20)
     first_disabled = getattr(spec_config, "ddtree_disable_by_batch_size", None)
     if first_disabled is not None:
         _check_int("ddtree_disable_by_batch_size", first_disabled, 2, 1 << 20)
-        if tokens_per_step is None and getattr(
-            spec_config, "num_speculative_tokens_per_batch_size", None
-        ) is not None:
-            raise DDTreeConfigError(
-                "ddtree: set either ddtree_disable_by_batch_size or "
-                "num_speculative_tokens_per_batch_size, not both (give the budget 0 "
-                "range in the schedule itself)."
-            )
-        from vllm_ddtree.budget import disable_from_batch_size
-
-        spec_config.num_speculative_tokens_per_batch_size = disable_from_batch_size(
-            spec_config.num_speculative_tokens_per_batch_size, budget, first_disabled
+    if (tokens_per_step is not None or first_disabled is not None) and getattr(
+        spec_config, "num_speculative_tokens_per_batch_size", None
+    ) is not None:
+        given = "ddtree_tokens_per_step" if tokens_per_step is not None \
+            else "ddtree_disable_by_batch_size"
+        raise DDTreeConfigError(
+            f"ddtree: set either {given} or num_speculative_tokens_per_batch_size, not "
+            "both (the first computes the second; give a budget-0 range in the "
+            "schedule itself)."
+        )
+    if auto:
+        # Replaced at start-up by the measured one (vllm_ddtree.cost_model).
+        spec_config.num_speculative_tokens_per_batch_size = provisional_schedule(
+            budget, first_disabled
+        )
+    elif tokens_per_step is not None or first_disabled is not None:
+        spec_config.num_speculative_tokens_per_batch_size = ddtree_budget_schedule(
+            tokens_per_step, budget, first_disabled
         )
 
     spec_config.ddtree_max_depth = depth
     spec_config.ddtree_top_k = top_k
+
+
+def is_auto_tokens_per_step(spec_config: Any) -> bool:
+    from vllm_ddtree.cost_model import is_auto
+
+    return is_auto(getattr(spec_config, "ddtree_tokens_per_step", None))
 
 
 def _v2_runner_refused_by_env() -> bool:
@@ -223,6 +235,12 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
         )
 
     parallel = vllm_config.parallel_config
+    if is_auto_tokens_per_step(spec) and getattr(parallel, "data_parallel_size", 1) > 1:
+        raise DDTreeConfigError(
+            "ddtree: ddtree_tokens_per_step=\"auto\" does not support data parallelism "
+            f"(data_parallel_size={parallel.data_parallel_size}): every engine would "
+            "measure its own schedule; give a number (e.g. what one engine measured)."
+        )
     if parallel.pipeline_parallel_size > 1:
         raise DDTreeConfigError(
             "ddtree does not support pipeline parallelism yet "

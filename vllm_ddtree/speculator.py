@@ -160,12 +160,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Budget to draft for, by the batch size the drafter runs at (None: always the
         # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
-        self._budget_by_batch = self._scheduler_budget_lookup(vllm_config)
-        self._drafting_budget = (
-            drafting_budgets(self._budget_by_batch, [])
-            if self._budget_by_batch is not None and lean_draft_enabled()
-            else None
-        )
+        self.refresh_budget_schedule()
         # True while propose() runs for memory profiling: draft the full tree there,
         # so the profile sees the largest drafting buffers.
         self._profiling_draft = False
@@ -294,6 +289,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._target_layer_name = names[0]
         # The caches are bound to the layers after set_attn; resolved on first use.
         self._target_kv_caches = []
+
+    def refresh_budget_schedule(self) -> None:
+        """Re-read the budget schedule from the configuration after it changed at
+        start-up (``ddtree_tokens_per_step="auto"``, :mod:`vllm_ddtree.cost_model`),
+        before the graphs are captured."""
+        self._budget_by_batch = self._scheduler_budget_lookup(self.vllm_config)
+        self._drafting_budget = (
+            drafting_budgets(self._budget_by_batch, [])
+            if self._budget_by_batch is not None and lean_draft_enabled()
+            else None
+        )
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """The drafter's graphs, for its query of 1 + depth tokens per request.

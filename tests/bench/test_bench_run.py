@@ -53,9 +53,19 @@ def test_a_config_flag_sets_engine_environment_only():
         parse_config("ddtree-b32+turbo")
 
 
+def test_auto_token_target_is_ddtrees():
+    cfg = parse_config("ddtree-b64-tauto-d16")
+    assert cfg.speculative_config("d") == {
+        "method": "ddtree", "model": "d", "num_speculative_tokens": 64,
+        "ddtree_tokens_per_step": "auto", "ddtree_disable_by_batch_size": 16}
+    with pytest.raises(ValueError, match="DDTree's"):
+        parse_config("dflash-tauto")
+
+
 @pytest.mark.parametrize("name", ["ddtree", "ddtree-b0", "ddtree-bx", "no-spec-t4",
                                   "ddtree-b8-t1", "eagle", "ddtree-b8-d1", "no-spec-d4",
-                                  "ddtree-b8-d4-t16", "dflash-dx"])
+                                  "ddtree-b8-d4-t16", "dflash-dx", "ddtree-b8-tAUTO",
+                                  "no-spec-tauto"])
 def test_bad_config_names_are_refused(name):
     with pytest.raises(ValueError, match="config"):
         parse_config(name)

@@ -373,6 +373,39 @@ def test_tokens_per_step_must_be_a_positive_integer(model_dirs, target_config):
               ddtree_tokens_per_step=1)
 
 
+def test_auto_tokens_per_step_starts_with_a_provisional_schedule(model_dirs, target_config):
+    """"auto": the full budget at every batch size until the engine core measures the
+    target (vllm_ddtree.cost_model); a schedule from the start, so vLLM treats the
+    budget as batch-dependent; with drafting off from N, that range stays."""
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                 ddtree_tokens_per_step="auto")
+    assert spec.ddtree_tokens_per_step == "auto"
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 1 << 20, 64)]
+    assert spec.uses_dynamic_speculative_decoding()
+    off = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                ddtree_tokens_per_step="auto", ddtree_disable_by_batch_size=16)
+    assert off.num_speculative_tokens_per_batch_size == [(1, 15, 64), (16, 1 << 20, 0)]
+
+
+@pytest.mark.parametrize("value", ["fast", "automatic"])
+def test_a_word_other_than_auto_is_refused(model_dirs, target_config, value):
+    with pytest.raises(ValueError, match="ddtree_tokens_per_step"):
+        _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+              ddtree_tokens_per_step=value)
+
+
+def test_auto_tokens_per_step_refuses_data_parallelism(model_dirs, target_config, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=32,
+                 ddtree_tokens_per_step="auto")
+    validate_ddtree_vllm_config(_engine_config(
+        target_config, spec, scheduler_config=_scheduler(target_config, True)))
+    with pytest.raises(DDTreeConfigError, match="auto.*data_parallel_size=2"):
+        validate_ddtree_vllm_config(_engine_config(
+            target_config, spec, scheduler_config=_scheduler(target_config, True),
+            parallel_config=ParallelConfig(data_parallel_size=2)))
+
+
 def test_disable_by_batch_size_ends_the_schedule_with_budget_zero(model_dirs, target_config):
     spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
                  ddtree_tokens_per_step=512, ddtree_disable_by_batch_size=16)

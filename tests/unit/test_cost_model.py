@@ -1,0 +1,228 @@
+"""vllm_ddtree.cost_model: ddtree_tokens_per_step="auto", the token target measured at
+start-up. The knee rule and the grid are pure; the worker and engine-core sides run
+against fakes of vLLM's runner, workers and engine core (a fake clock stands in for
+the GPU: no test here depends on real time)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from vllm_ddtree import cost_model
+from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size
+from vllm_ddtree.cost_model import (
+    apply_budget_schedule,
+    ddtree_budget_schedule,
+    knee_tokens,
+    largest_cuda_graph_tokens,
+    measure_target_forward_ms,
+    measure_tokens_per_step,
+    measurement_token_counts,
+    worker_budget_schedule,
+)
+
+
+def test_the_knee_is_the_last_count_within_the_slowdown():
+    # An 8B-like curve: flat to 128 tokens, then growing.
+    curve = {1: 10.0, 2: 10.1, 4: 10.0, 8: 10.2, 16: 10.3, 32: 10.5, 64: 10.9, 128: 11.4,
+             256: 13.9, 512: 22.0}
+    assert knee_tokens(curve) == 128
+    assert knee_tokens(curve, max_slowdown=1.5) == 256
+    assert knee_tokens(curve, max_slowdown=1.0) == 1  # 10.1 at 2 tokens is already above
+    # A host-bound (flat) curve: the largest count.
+    assert knee_tokens({1: 5.0, 64: 5.1, 512: 5.2}) == 512
+    # Growth that comes back (noise) does not reopen the range past a jump.
+    assert knee_tokens({1: 1.0, 2: 1.3, 4: 1.0}) == 1
+
+
+@pytest.mark.parametrize("curve, slowdown, message", [
+    ({}, 1.15, "no forward times"),
+    ({1: 1.0}, 0.9, "max_slowdown"),
+    ({0: 1.0, 2: 1.0}, 1.15, "token counts must be >= 1"),
+    ({1: 0.0, 2: 1.0}, 1.15, "times > 0"),
+    ({1: float("nan"), 2: 1.0}, 1.15, "times > 0"),
+])
+def test_bad_curves_are_refused(curve, slowdown, message):
+    with pytest.raises(ValueError, match=message):
+        knee_tokens(curve, slowdown)
+
+
+def test_the_grid_stops_at_what_a_step_can_verify():
+    # Powers of two up to the smallest bound, which closes the grid.
+    assert measurement_token_counts(8192, 256, 64, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert measurement_token_counts(8192, 4, 15, 512) == [1, 2, 4, 8, 16, 32, 64]
+    assert measurement_token_counts(100, 256, 64, None) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert measurement_token_counts(8192, 1, 1, None) == [1, 2]
+    with pytest.raises(ValueError, match="positive sizes"):
+        measurement_token_counts(8192, 0, 64, 512)
+
+
+def test_the_largest_graph_is_none_without_graphs():
+    eager = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=True),
+                                  compilation_config=types.SimpleNamespace(
+                                      max_cudagraph_capture_size=512))
+    assert largest_cuda_graph_tokens(eager) is None
+    graphs = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False),
+                                   compilation_config=types.SimpleNamespace(
+                                       max_cudagraph_capture_size=512, cudagraph_mode=None))
+    assert largest_cuda_graph_tokens(graphs) == 512
+    graphs.compilation_config.cudagraph_mode = types.SimpleNamespace(name="NONE")
+    assert largest_cuda_graph_tokens(graphs) is None
+
+
+def test_schedules_compose_like_the_configured_ones():
+    assert ddtree_budget_schedule(512, 64, None) == budget_schedule(512, 64)
+    assert ddtree_budget_schedule(512, 64, 16) == disable_from_batch_size(
+        budget_schedule(512, 64), 64, 16)
+    assert ddtree_budget_schedule(None, 32, 4) == [(1, 3, 32), (4, OPEN_END, 0)]
+    assert ddtree_budget_schedule(None, 32, None) is None
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeRunner:
+    """The V2 runner's surface the measurement uses: a dummy run whose cost is
+    ``cost_ms(n)`` on the fake clock, and the speculator attribute."""
+
+    def __init__(self, clock, cost_ms, vllm_config=None, speculator=None):
+        self.clock, self.cost_ms = clock, cost_ms
+        self.speculator = speculator
+        self.vllm_config = vllm_config
+        self.runs = []
+
+    def _dummy_run(self, n, skip_attn=False, is_profile=False):
+        assert skip_attn and is_profile, "the measurement uses the profiling path"
+        assert self.speculator is None, "the drafter is detached while measuring"
+        self.runs.append(n)
+        self.clock.now += self.cost_ms(n) / 1e3
+
+
+def test_the_worker_times_each_count_and_puts_the_drafter_back(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    drafter = object()
+    runner = FakeRunner(clock, lambda n: 2.0 + n / 100, speculator=drafter)
+    times = measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1, 100], iters=3)
+    assert times == pytest.approx({1: 2.01, 100: 3.0})
+    assert runner.runs == [1, 100] + [1] * 3 + [100] * 3  # a warm-up each, then the timed runs
+    assert runner.speculator is drafter
+
+
+def test_the_worker_puts_the_drafter_back_after_a_failure(monkeypatch):
+    drafter = object()
+
+    def boom(n):
+        raise RuntimeError("out of memory")
+
+    runner = FakeRunner(FakeClock(), boom, speculator=drafter)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1])
+    assert runner.speculator is drafter
+
+
+class FakeSpeculator:
+    def __init__(self):
+        self.refreshed = 0
+
+    def refresh_budget_schedule(self):
+        self.refreshed += 1
+
+
+def _vllm_config(auto=True, first_disabled=None, enforce_eager=False):
+    spec = types.SimpleNamespace(
+        ddtree_tokens_per_step="auto" if auto else 512, num_speculative_tokens=64,
+        ddtree_disable_by_batch_size=first_disabled,
+        num_speculative_tokens_per_batch_size=[(1, OPEN_END, 64)])
+    return types.SimpleNamespace(
+        speculative_config=spec,
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=256),
+        model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=512,
+                                                 cudagraph_mode=None))
+
+
+class FakeEngineCore:
+    """collective_rpc as vLLM runs it: the callable with each worker first."""
+
+    def __init__(self, workers):
+        self.workers = workers
+        self.rpcs = []
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.rpcs.append(method.__name__)
+        return [method(w, *args, **(kwargs or {})) for w in self.workers]
+
+
+def _worker(clock, cost_ms):
+    # Each worker its own configuration object, as in separate processes.
+    runner = FakeRunner(clock, cost_ms, vllm_config=_vllm_config(), speculator=FakeSpeculator())
+    return types.SimpleNamespace(model_runner=runner)
+
+
+@pytest.mark.parametrize("first_disabled", [None, 16])
+def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_disabled):
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    # Rank 0: flat to 128 tokens; rank 1 (say, a slower link) would say 64: rank 0 decides.
+    rank0 = _worker(clock, lambda n: 10.0 if n <= 128 else 10.0 + n / 20)
+    rank1 = _worker(clock, lambda n: 10.0 if n <= 64 else 10.0 + n / 10)
+    core = FakeEngineCore([rank0, rank1])
+    cfg = _vllm_config(first_disabled=first_disabled)
+    assert measure_tokens_per_step(core, cfg) == 128
+    expected = ddtree_budget_schedule(128, 64, first_disabled)
+    assert core.rpcs == ["measure_target_forward_ms", "apply_budget_schedule"]
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size == expected
+    for w in (rank0, rank1):
+        runner = w.model_runner
+        assert runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size == expected
+        assert runner.speculator.refreshed == 1
+        # The grid stops at the largest CUDA graph (512 tokens).
+        assert max(runner.runs) == 512
+
+
+def test_a_flat_curve_takes_the_largest_graph_and_eager_the_whole_grid(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    core = FakeEngineCore([_worker(clock, lambda n: 5.0)])
+    assert measure_tokens_per_step(core, _vllm_config()) == 512
+    core = FakeEngineCore([_worker(clock, lambda n: 5.0)])
+    # Without graphs: up to max_num_seqs x (budget + 1) capped by the token budget.
+    assert measure_tokens_per_step(core, _vllm_config(enforce_eager=True)) == 8192
+
+
+def test_a_target_whose_cost_grows_at_once_still_verifies_two_tokens(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    core = FakeEngineCore([_worker(clock, lambda n: float(n))])
+    cfg = _vllm_config()
+    assert measure_tokens_per_step(core, cfg) == 2
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size == budget_schedule(2, 64)
+
+
+def test_engines_without_auto_are_left_alone():
+    core = FakeEngineCore([])
+    cfg = _vllm_config(auto=False)
+    assert measure_tokens_per_step(core, cfg) is None
+    assert core.rpcs == []
+    assert measure_tokens_per_step(core, types.SimpleNamespace(speculative_config=None)) is None
+
+
+def test_apply_reaches_a_speculator_without_the_refresh_hook():
+    runner = FakeRunner(FakeClock(), lambda n: 1.0, vllm_config=_vllm_config(), speculator=None)
+    apply_budget_schedule(types.SimpleNamespace(model_runner=runner), [(1, OPEN_END, 8)])
+    assert runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size == [
+        (1, OPEN_END, 8)]
+
+
+def test_a_worker_reports_the_schedule_it_runs():
+    runner = FakeRunner(FakeClock(), lambda n: 1.0, vllm_config=_vllm_config())
+    worker = types.SimpleNamespace(model_runner=runner)
+    apply_budget_schedule(worker, [(1, 7, 64), (8, OPEN_END, 32)])
+    assert worker_budget_schedule(worker) == [(1, 7, 64), (8, OPEN_END, 32)]

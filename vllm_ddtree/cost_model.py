@@ -1,0 +1,201 @@
+"""The verification-token target measured at start-up: ``ddtree_tokens_per_step="auto"``.
+
+The batch-aware budget (:mod:`vllm_ddtree.budget`) keeps a step's verified tokens
+under a target ``T``: a batch of ``n`` requests verifies trees of about ``T // n - 1``
+nodes each. The right ``T`` is where the target's forward stops costing the same as a
+one-token forward (about 128 tokens for an 8B model on an H200, more for a small
+model, less on a slower GPU), so a fixed number is right for one model on one GPU
+only. With ``"auto"`` the engine measures it instead:
+
+1. After vLLM's memory profiling and before the KV cache and CUDA graphs exist, the
+   engine core asks every worker (:func:`measure_target_forward_ms`, one RPC) to time
+   the target's forward over a grid of token counts (powers of two up to what a step
+   can verify, never past the largest CUDA graph), through the runner's own dummy run
+   without attention (the profiling path; the drafter is left out: its cost does not
+   depend on the tree budget).
+2. Rank 0's curve gives ``T`` (:func:`knee_tokens`): the largest count whose forward
+   costs at most :data:`MAX_SLOWDOWN` times the one-token forward (every count below
+   it too).
+3. The schedule for ``T`` (with ``ddtree_disable_by_batch_size`` on top, if set)
+   replaces the provisional one on the engine core, whose scheduler is built next,
+   and on every worker (:func:`apply_budget_schedule`, a second RPC), before the
+   workers capture their CUDA graphs, which follow the schedule.
+
+The forwards run eagerly (no graph exists yet), so on a target whose eager forward is
+bound by the host (a small model) the curve is flat and ``T`` comes out as the largest
+count measured; on a GPU-bound target the curve is the GPU's. Data parallelism is
+refused with ``"auto"`` (each engine core would measure its own schedule).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size
+
+TOKENS_PER_STEP_AUTO = "auto"
+# Issue 6's bound: a DDTree step at the chosen budget may cost up to 1.15x a step
+# that verifies one token per request.
+MAX_SLOWDOWN = 1.15
+# Timed forwards per token count (their median is kept), after one warm-up forward.
+MEASURE_ITERS = 5
+
+logger = logging.getLogger("vllm.ddtree")
+
+
+def is_auto(tokens_per_step: Any) -> bool:
+    return isinstance(tokens_per_step, str) and tokens_per_step.strip().lower() == TOKENS_PER_STEP_AUTO
+
+
+def ddtree_budget_schedule(tokens_per_step: int | None, max_budget: int,
+                           first_disabled: int | None) -> list[tuple[int, int, int]] | None:
+    """``num_speculative_tokens_per_batch_size`` for a token target and/or a
+    drafting-off batch size (None when neither is set: the full budget always)."""
+    schedule = None if tokens_per_step is None else budget_schedule(tokens_per_step, max_budget)
+    if first_disabled is not None:
+        schedule = disable_from_batch_size(schedule, max_budget, first_disabled)
+    return schedule
+
+
+def provisional_schedule(max_budget: int,
+                         first_disabled: int | None) -> list[tuple[int, int, int]]:
+    """The schedule an ``"auto"`` engine starts with, until the measurement replaces
+    it: the full budget at every batch size (the largest trees, as without a target),
+    drafting off from ``first_disabled`` if set. A schedule, not None, so that vLLM
+    treats the budget as batch-dependent from the start."""
+    return disable_from_batch_size(None, max_budget, first_disabled) if first_disabled \
+        else [(1, OPEN_END, max_budget)]
+
+
+def measurement_token_counts(max_num_batched_tokens: int, max_num_seqs: int,
+                             max_budget: int, max_graph_tokens: int | None) -> list[int]:
+    """Powers of two from 1 up to the most tokens a step can verify (every running
+    request with a full tree, at most the scheduler's token budget and, with CUDA
+    graphs, the largest graph: a bigger step runs without graphs, several times
+    slower, which an eager measurement cannot show), and that bound."""
+    sizes = [max_num_batched_tokens, max_num_seqs, max_budget]
+    if max_graph_tokens is not None:
+        sizes.append(max_graph_tokens)
+    if min(sizes) < 1:
+        raise ValueError(
+            f"need positive sizes, got max_num_batched_tokens={max_num_batched_tokens}, "
+            f"max_num_seqs={max_num_seqs}, max_budget={max_budget}, "
+            f"max_graph_tokens={max_graph_tokens}")
+    top = min(max_num_batched_tokens, max_num_seqs * (max_budget + 1))
+    if max_graph_tokens is not None:
+        top = min(top, max_graph_tokens)
+    counts = []
+    n = 1
+    while n < top:
+        counts.append(n)
+        n *= 2
+    counts.append(top)
+    return counts
+
+
+def largest_cuda_graph_tokens(vllm_config: Any) -> int | None:
+    """Tokens of the target's largest CUDA graph; None when the engine runs eagerly."""
+    if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return None
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) == "NONE":
+        return None
+    return getattr(compilation, "max_cudagraph_capture_size", None) or None
+
+
+def knee_tokens(forward_ms: dict[int, float], max_slowdown: float = MAX_SLOWDOWN) -> int:
+    """The largest token count of the curve whose forward, and every smaller count's,
+    costs at most ``max_slowdown`` times the smallest count's."""
+    if not forward_ms:
+        raise ValueError("no forward times measured")
+    if max_slowdown < 1.0:
+        raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
+    counts = sorted(forward_ms)
+    if counts[0] < 1 or any(not forward_ms[n] > 0 for n in counts):
+        raise ValueError(f"token counts must be >= 1 and times > 0, got {forward_ms}")
+    limit = max_slowdown * forward_ms[counts[0]]
+    knee = counts[0]
+    for n in counts[1:]:
+        if forward_ms[n] > limit:
+            break
+        knee = n
+    return knee
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_target_forward_ms(worker: Any, token_counts: list[int],
+                              iters: int = MEASURE_ITERS) -> dict[int, float]:
+    """Worker side (an RPC; ``worker`` is vLLM's worker or its wrapper): the median
+    wall time, in ms, of the target's forward at each token count, through the V2
+    runner's profiling dummy run (no attention, no KV cache yet). The drafter is
+    detached for the measurement and put back afterwards."""
+    runner = worker.model_runner
+    speculator = runner.speculator
+    runner.speculator = None
+    times: dict[int, float] = {}
+    try:
+        for n in token_counts:  # warm-up: first use of a shape may compile
+            runner._dummy_run(n, skip_attn=True, is_profile=True)
+        for n in token_counts:
+            samples = []
+            for _ in range(iters):
+                _sync()
+                start = time.perf_counter()
+                runner._dummy_run(n, skip_attn=True, is_profile=True)
+                _sync()
+                samples.append(time.perf_counter() - start)
+            times[n] = statistics.median(samples) * 1e3
+    finally:
+        runner.speculator = speculator
+    return times
+
+
+def apply_budget_schedule(worker: Any, schedule: list[tuple[int, int, int]]) -> None:
+    """Worker side (an RPC): the measured schedule into the worker's configuration
+    (read when its CUDA graphs are captured) and the DDTree speculator's lookups."""
+    runner = worker.model_runner
+    runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size = schedule
+    refresh = getattr(runner.speculator, "refresh_budget_schedule", None)
+    if refresh is not None:
+        refresh()
+
+
+def worker_budget_schedule(worker: Any) -> list[tuple[int, int, int]] | None:
+    """Worker side (an RPC, e.g. ``LLM.collective_rpc``): the schedule it runs."""
+    return worker.model_runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+
+
+def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
+    """Engine-core side, called between memory profiling and KV-cache creation: for a
+    ``ddtree_tokens_per_step="auto"`` engine, measure, choose and apply the schedule;
+    returns the chosen token target (None for any other engine)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not is_auto(getattr(spec, "ddtree_tokens_per_step", None)):
+        return None
+    budget = spec.num_speculative_tokens
+    sched = vllm_config.scheduler_config
+    counts = measurement_token_counts(sched.max_num_batched_tokens, sched.max_num_seqs, budget,
+                                      largest_cuda_graph_tokens(vllm_config))
+    curves = engine_core.collective_rpc(measure_target_forward_ms, args=(counts,))
+    forward_ms = curves[0]  # rank 0's; every rank must use the same schedule
+    tokens = max(2, knee_tokens(forward_ms))
+    schedule = ddtree_budget_schedule(tokens, budget,
+                                      getattr(spec, "ddtree_disable_by_batch_size", None))
+    spec.num_speculative_tokens_per_batch_size = schedule
+    engine_core.collective_rpc(apply_budget_schedule, args=(schedule,))
+    logger.info(
+        "DDTree cost model: target forward by tokens (ms, eager) %s; %d tokens per step "
+        "(forward <= %.2fx the %d-token one); budget by batch size %s",
+        {n: round(t, 3) for n, t in sorted(forward_ms.items())}, tokens, MAX_SLOWDOWN,
+        min(forward_ms), schedule)
+    return tokens
