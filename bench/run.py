@@ -733,6 +733,12 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     """One engine of ``cfg`` (engine round ``rnd``): warm-up, then every cell
     ``args.repeats`` times; each cell's row in ``rec`` merges every engine so far."""
     t_engine = time.time()
+    report = None
+    if cfg.tokens_per_step == "auto":
+        from vllm_ddtree.cost_model import REPORT_ENV
+
+        report = os.path.join(tempfile.mkdtemp(), "cost-model.json")
+        cfg = replace(cfg, env=cfg.env + ((REPORT_ENV, report),))
     try:
         llm, profile = _engine(args, suite, target, drafter, cfg)
     except Exception as exc:  # record and go on with the next config
@@ -744,11 +750,10 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
            "async_scheduling": getattr(sched, "async_scheduling", None),
            "speculative_config": cfg.speculative_config(drafter)}
-    if cfg.tokens_per_step == "auto":
-        # The schedule the workers measured and run (the front end keeps the provisional one).
-        from vllm_ddtree.cost_model import worker_budget_schedule
-
-        eng["measured_budget_schedule"] = llm.collective_rpc(worker_budget_schedule)[0]
+    if report and os.path.exists(report):
+        # -tauto: what the engine core measured (the front end keeps the provisional schedule).
+        with open(report) as f:
+            eng["cost_model"] = json.load(f)
     # Warm-up outside the measurement, at every batch size and temperature: the
     # first use of a shape compiles kernel variants (vLLM's and ours) and
     # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls

@@ -164,7 +164,7 @@ def knee_tokens(points: list[tuple[float, float]], max_slowdown: float = 1.15) -
     if max_slowdown < 1.0:
         raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
     pts = sorted((float(t), float(ms)) for t, ms in points)
-    if any(t < 1 or ms <= 0 for t, ms in pts):
+    if any(t < 1 or not ms > 0 for t, ms in pts):  # "not >": NaN is refused too
         raise ValueError("points must have tokens >= 1 and a positive cost")
     limit = pts[0][1] * max_slowdown
     knee = pts[0][0]

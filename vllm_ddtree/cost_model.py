@@ -13,7 +13,8 @@ only. With ``"auto"`` the engine measures it instead:
    can verify, never past the largest CUDA graph), through the runner's own dummy run
    without attention (the profiling path; the drafter is left out: its cost does not
    depend on the tree budget).
-2. Rank 0's curve gives ``T`` (:func:`knee_tokens`): the largest count whose forward
+2. Rank 0's curve gives ``T`` (:func:`vllm_ddtree.budget.knee_tokens`, the rule
+   ``bench/run.py --suite cost8b`` suggests a target by): the largest count whose forward
    costs at most :data:`MAX_SLOWDOWN` times the one-token forward (every count below
    it too).
 3. The schedule for ``T`` (with ``ddtree_disable_by_batch_size`` on top, if set)
@@ -29,12 +30,14 @@ refused with ``"auto"`` (each engine core would measure its own schedule).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
 import time
 from typing import Any
 
-from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size
+from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size, knee_tokens
 
 TOKENS_PER_STEP_AUTO = "auto"
 # Issue 6's bound: a DDTree step at the chosen budget may cost up to 1.15x a step
@@ -42,6 +45,9 @@ TOKENS_PER_STEP_AUTO = "auto"
 MAX_SLOWDOWN = 1.15
 # Timed forwards per token count (their median is kept), after one warm-up forward.
 MEASURE_ITERS = 5
+# Where the engine core also writes the measurement as JSON (curve, token target,
+# schedule), e.g. for bench/run.py; the log line has the same.
+REPORT_ENV = "VLLM_DDTREE_COST_MODEL_REPORT"
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -107,25 +113,6 @@ def largest_cuda_graph_tokens(vllm_config: Any) -> int | None:
     return getattr(compilation, "max_cudagraph_capture_size", None) or None
 
 
-def knee_tokens(forward_ms: dict[int, float], max_slowdown: float = MAX_SLOWDOWN) -> int:
-    """The largest token count of the curve whose forward, and every smaller count's,
-    costs at most ``max_slowdown`` times the smallest count's."""
-    if not forward_ms:
-        raise ValueError("no forward times measured")
-    if max_slowdown < 1.0:
-        raise ValueError(f"max_slowdown must be >= 1, got {max_slowdown}")
-    counts = sorted(forward_ms)
-    if counts[0] < 1 or any(not forward_ms[n] > 0 for n in counts):
-        raise ValueError(f"token counts must be >= 1 and times > 0, got {forward_ms}")
-    limit = max_slowdown * forward_ms[counts[0]]
-    knee = counts[0]
-    for n in counts[1:]:
-        if forward_ms[n] > limit:
-            break
-        knee = n
-    return knee
-
-
 def _sync() -> None:
     import torch
 
@@ -170,11 +157,6 @@ def apply_budget_schedule(worker: Any, schedule: list[tuple[int, int, int]]) -> 
         refresh()
 
 
-def worker_budget_schedule(worker: Any) -> list[tuple[int, int, int]] | None:
-    """Worker side (an RPC, e.g. ``LLM.collective_rpc``): the schedule it runs."""
-    return worker.model_runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
-
-
 def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     """Engine-core side, called between memory profiling and KV-cache creation: for a
     ``ddtree_tokens_per_step="auto"`` engine, measure, choose and apply the schedule;
@@ -188,11 +170,18 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
                                       largest_cuda_graph_tokens(vllm_config))
     curves = engine_core.collective_rpc(measure_target_forward_ms, args=(counts,))
     forward_ms = curves[0]  # rank 0's; every rank must use the same schedule
-    tokens = max(2, knee_tokens(forward_ms))
+    tokens = max(2, knee_tokens(list(forward_ms.items()), MAX_SLOWDOWN))
     schedule = ddtree_budget_schedule(tokens, budget,
                                       getattr(spec, "ddtree_disable_by_batch_size", None))
     spec.num_speculative_tokens_per_batch_size = schedule
     engine_core.collective_rpc(apply_budget_schedule, args=(schedule,))
+    report = {"forward_ms": {str(n): round(t, 4) for n, t in sorted(forward_ms.items())},
+              "max_slowdown": MAX_SLOWDOWN, "tokens_per_step": tokens,
+              "budget_schedule": [list(r) for r in schedule]}
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f)
     logger.info(
         "DDTree cost model: target forward by tokens (ms, eager) %s; %d tokens per step "
         "(forward <= %.2fx the %d-token one); budget by batch size %s",

@@ -456,6 +456,37 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
     assert dflash["tau"] == 1.5 and dflash["num_drafts"] == 8
 
 
+def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypatch):
+    """-tauto: the engine gets VLLM_DDTREE_COST_MODEL_REPORT, and the engine record
+    keeps the report the engine core wrote there."""
+    import json
+    import types
+
+    import bench.run as run
+
+    fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+
+    def fake_engine(args, suite, target, drafter, cfg):
+        path = dict(cfg.env)["VLLM_DDTREE_COST_MODEL_REPORT"]
+        with open(path, "w") as f:
+            json.dump({"tokens_per_step": 256, "budget_schedule": [[1, 3, 64]]}, f)
+        return fake_llm, None
+
+    monkeypatch.setattr(run, "_engine", fake_engine)
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+    monkeypatch.setattr(run, "run_cell", lambda llm, prompts, batch, temperature, max_tokens, dummy: (
+        [[1] * max_tokens for _ in prompts],
+        run.cell_summary([[1] * max_tokens for _ in prompts], 1.0, [1.0] * len(prompts), [0.001]),
+        run.SpecCounters(2, 30, 1, [1])))
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "ddtree-b64-tauto",
+                     "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "4"]) == 0
+    engine = json.loads(out.read_text())["engines"][0]
+    assert engine["config"] == "ddtree-b64-tauto"
+    assert engine["cost_model"] == {"tokens_per_step": 256, "budget_schedule": [[1, 3, 64]]}
+
+
 def test_a_cell_reports_the_engine_with_the_fewest_identical_outputs():
     from bench.run import CellRuns, cell_summary
 

@@ -74,3 +74,7 @@ def test_knee_from_measured_step_costs():
         knee_tokens([])
     with pytest.raises(ValueError):
         knee_tokens(pts, max_slowdown=0.5)
+    # A broken measurement (no time, or NaN) is refused, not read as cheap.
+    for bad in (0.0, float("nan")):
+        with pytest.raises(ValueError, match="positive cost"):
+            knee_tokens([(1, 3.6), (64, bad)])

@@ -1,5 +1,6 @@
 """vllm_ddtree.cost_model: ddtree_tokens_per_step="auto", the token target measured at
-start-up. The knee rule and the grid are pure; the worker and engine-core sides run
+start-up. The grid is pure (the knee rule, vllm_ddtree.budget.knee_tokens, is tested in
+test_budget.py); the worker and engine-core sides run
 against fakes of vLLM's runner, workers and engine core (a fake clock stands in for
 the GPU: no test here depends on real time)."""
 
@@ -14,38 +15,11 @@ from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_siz
 from vllm_ddtree.cost_model import (
     apply_budget_schedule,
     ddtree_budget_schedule,
-    knee_tokens,
     largest_cuda_graph_tokens,
     measure_target_forward_ms,
     measure_tokens_per_step,
     measurement_token_counts,
-    worker_budget_schedule,
 )
-
-
-def test_the_knee_is_the_last_count_within_the_slowdown():
-    # An 8B-like curve: flat to 128 tokens, then growing.
-    curve = {1: 10.0, 2: 10.1, 4: 10.0, 8: 10.2, 16: 10.3, 32: 10.5, 64: 10.9, 128: 11.4,
-             256: 13.9, 512: 22.0}
-    assert knee_tokens(curve) == 128
-    assert knee_tokens(curve, max_slowdown=1.5) == 256
-    assert knee_tokens(curve, max_slowdown=1.0) == 1  # 10.1 at 2 tokens is already above
-    # A host-bound (flat) curve: the largest count.
-    assert knee_tokens({1: 5.0, 64: 5.1, 512: 5.2}) == 512
-    # Growth that comes back (noise) does not reopen the range past a jump.
-    assert knee_tokens({1: 1.0, 2: 1.3, 4: 1.0}) == 1
-
-
-@pytest.mark.parametrize("curve, slowdown, message", [
-    ({}, 1.15, "no forward times"),
-    ({1: 1.0}, 0.9, "max_slowdown"),
-    ({0: 1.0, 2: 1.0}, 1.15, "token counts must be >= 1"),
-    ({1: 0.0, 2: 1.0}, 1.15, "times > 0"),
-    ({1: float("nan"), 2: 1.0}, 1.15, "times > 0"),
-])
-def test_bad_curves_are_refused(curve, slowdown, message):
-    with pytest.raises(ValueError, match=message):
-        knee_tokens(curve, slowdown)
 
 
 def test_the_grid_stops_at_what_a_step_can_verify():
@@ -221,8 +195,16 @@ def test_apply_reaches_a_speculator_without_the_refresh_hook():
         (1, OPEN_END, 8)]
 
 
-def test_a_worker_reports_the_schedule_it_runs():
-    runner = FakeRunner(FakeClock(), lambda n: 1.0, vllm_config=_vllm_config())
-    worker = types.SimpleNamespace(model_runner=runner)
-    apply_budget_schedule(worker, [(1, 7, 64), (8, OPEN_END, 32)])
-    assert worker_budget_schedule(worker) == [(1, 7, 64), (8, OPEN_END, 32)]
+def test_the_measurement_is_written_where_the_environment_says(monkeypatch, tmp_path):
+    import json
+
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    report = tmp_path / "cost.json"
+    monkeypatch.setenv(cost_model.REPORT_ENV, str(report))
+    core = FakeEngineCore([_worker(clock, lambda n: 10.0 if n <= 64 else 20.0)])
+    assert measure_tokens_per_step(core, _vllm_config()) == 64
+    doc = json.loads(report.read_text())
+    assert doc["tokens_per_step"] == 64 and doc["max_slowdown"] == 1.15
+    assert doc["forward_ms"]["64"] == 10.0 and doc["forward_ms"]["128"] == 20.0
+    assert doc["budget_schedule"] == [list(r) for r in budget_schedule(64, 64)]
