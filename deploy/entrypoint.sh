@@ -8,7 +8,8 @@
 #   DDTREE_BUDGET           tree node budget B = num_speculative_tokens    (required with DDTREE_DRAFTER)
 #   DDTREE_MAX_DEPTH        optional tree depth limit (default: drafter block size - 1)
 #   DDTREE_TOKENS_PER_STEP  optional: verified tokens per forward to aim for; the budget then
-#                           shrinks as the batch grows (ddtree_tokens_per_step, >= 2)
+#                           shrinks as the batch grows (ddtree_tokens_per_step, >= 2, or
+#                           auto: measured by the engine at start-up)
 #   DDTREE_DISABLE_BY_BATCH_SIZE  optional: from this many running requests on, decode
 #                           without drafts (ddtree_disable_by_batch_size, >= 2)
 #   SPECULATIVE_CONFIG      raw JSON for --speculative-config, instead of the DDTREE_* variables
@@ -65,10 +66,15 @@ require_existing_path MODEL
 ddtree_settings=(DDTREE_BUDGET DDTREE_MAX_DEPTH DDTREE_TOKENS_PER_STEP DDTREE_DISABLE_BY_BATCH_SIZE)
 
 for name in "${ddtree_settings[@]}" TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE MAX_MODEL_LEN; do
-    require_positive_int "$name"
+    [[ $name == DDTREE_TOKENS_PER_STEP ]] || require_positive_int "$name"
 done
-if [[ -n ${DDTREE_TOKENS_PER_STEP:-} ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
-    die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward), got '$DDTREE_TOKENS_PER_STEP'"
+# DDTREE_TOKENS_PER_STEP=auto: the engine measures the token target at start-up.
+if [[ -n ${DDTREE_TOKENS_PER_STEP:-} && $DDTREE_TOKENS_PER_STEP != auto ]] &&
+    ! is_positive_int "$DDTREE_TOKENS_PER_STEP"; then
+    die "DDTREE_TOKENS_PER_STEP must be a positive integer or auto, got '$DDTREE_TOKENS_PER_STEP'"
+fi
+if [[ -n ${DDTREE_TOKENS_PER_STEP:-} && $DDTREE_TOKENS_PER_STEP != auto ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
+    die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward) or auto, got '$DDTREE_TOKENS_PER_STEP'"
 fi
 if [[ -n ${DDTREE_DISABLE_BY_BATCH_SIZE:-} ]] && ((DDTREE_DISABLE_BY_BATCH_SIZE < 2)); then
     die "DDTREE_DISABLE_BY_BATCH_SIZE must be at least 2 (at 1 nothing would be drafted), got '$DDTREE_DISABLE_BY_BATCH_SIZE'"
@@ -115,8 +121,9 @@ config = {"method": "ddtree", "model": os.environ["DDTREE_DRAFTER"],
           "num_speculative_tokens": int(os.environ["DDTREE_BUDGET"])}
 if os.environ.get("DDTREE_MAX_DEPTH"):
     config["ddtree_max_depth"] = int(os.environ["DDTREE_MAX_DEPTH"])
-if os.environ.get("DDTREE_TOKENS_PER_STEP"):
-    config["ddtree_tokens_per_step"] = int(os.environ["DDTREE_TOKENS_PER_STEP"])
+tokens = os.environ.get("DDTREE_TOKENS_PER_STEP")
+if tokens:
+    config["ddtree_tokens_per_step"] = tokens if tokens == "auto" else int(tokens)
 if os.environ.get("DDTREE_DISABLE_BY_BATCH_SIZE"):
     config["ddtree_disable_by_batch_size"] = int(os.environ["DDTREE_DISABLE_BY_BATCH_SIZE"])
 print(json.dumps(config))

@@ -73,6 +73,12 @@ def test_tokens_per_step_makes_the_budget_batch_aware(models):
         option(command({**models, "DDTREE_BUDGET": "64"}), "--speculative-config"))
 
 
+def test_auto_tokens_per_step_is_passed_as_the_word(models):
+    argv = command({**models, "DDTREE_BUDGET": "64", "DDTREE_TOKENS_PER_STEP": "auto"})
+    config = json.loads(option(argv, "--speculative-config"))
+    assert config["ddtree_tokens_per_step"] == "auto"
+
+
 def test_disable_by_batch_size_is_added_when_set(models):
     argv = command({**models, "DDTREE_BUDGET": "64", "DDTREE_TOKENS_PER_STEP": "512",
                     "DDTREE_DISABLE_BY_BATCH_SIZE": "16"})
@@ -151,7 +157,7 @@ def test_execs_the_command(tmp_path, models):
         ({"DDTREE_DRAFTER": "@drafter", "DDTREE_BUDGET": "8", "DDTREE_TOKENS_PER_STEP": "1"},
          "DDTREE_TOKENS_PER_STEP must be at least 2"),
         ({"DDTREE_DRAFTER": "@drafter", "DDTREE_BUDGET": "8", "DDTREE_TOKENS_PER_STEP": "many"},
-         "DDTREE_TOKENS_PER_STEP must be a positive integer"),
+         "DDTREE_TOKENS_PER_STEP must be a positive integer or auto, got 'many'"),
         ({"DDTREE_TOKENS_PER_STEP": "128"}, "DDTREE_TOKENS_PER_STEP is set but DDTREE_DRAFTER is not"),
         ({"DDTREE_DRAFTER": "@drafter", "DDTREE_BUDGET": "8", "DDTREE_DISABLE_BY_BATCH_SIZE": "1"},
          "DDTREE_DISABLE_BY_BATCH_SIZE must be at least 2"),
