@@ -100,6 +100,17 @@ fused_tests() {
   echo "triton-launch tests rc=$?"; tail -2 "$OUT/gpu-triton-launch-tests.log"
 }
 
+# fixture_bench NAME LIMIT_S [bench/run.py arguments]: the fixture suite on the
+# converted pair, results in $OUT/bench-NAME.json, log in $OUT/bench-NAME.log, the
+# result lines (and any skipped or failed engine) echoed.
+fixture_bench() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" \
+    --data "$DATA" --out "$OUT/bench-$name.json" "$@" > "$OUT/bench-$name.log" 2>&1
+  echo "$name bench rc=$?"; grep '^{\|skip\|failed\|cost model' "$OUT/bench-$name.log" | cut -c1-300
+}
+
 # The device tool returns at most 8 files per call: leave the JSON results loose and
 # put everything else (logs, plots, server logs) into one tarball.
 pack_out() {
@@ -137,13 +148,11 @@ case "$step" in
   bench)
     prepare
     read -r -a configs <<< "${BENCH_CONFIGS:-no-spec dflash ddtree-b32 ddtree-b64-t512 dflash-t512 ddtree-b15 ddtree-b16}"
-    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-fixture.json" --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
+    fixture_bench fixture 560 --plots "$OUT" ${BENCH_PROFILE:+--profile-dir "$OUT"} \
       --configs "${configs[@]}" ${BENCH_BATCH_SIZES:+--batch-sizes $BENCH_BATCH_SIZES} \
       ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_MIN_REQUESTS:+--min-requests $BENCH_MIN_REQUESTS} \
       ${BENCH_ENGINE_ROUNDS:+--engine-rounds $BENCH_ENGINE_ROUNDS} \
-      --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70 > "$OUT/bench-fixture.log" 2>&1
-    echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-fixture.log" | cut -c1-300
+      --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70
     ;;
   serve)
     prepare
@@ -180,10 +189,8 @@ case "$step" in
     ;;
   control)
     prepare
-    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-control-triton.json" --attention-backend TRITON_ATTN \
-      --configs no-spec ddtree-b32 dflash --temperatures 0 > "$OUT/bench-control.log" 2>&1
-    echo "control rc=$?"; grep '^{\|failed' "$OUT/bench-control.log" | cut -c1-300
+    fixture_bench control-triton 560 --attention-backend TRITON_ATTN \
+      --configs no-spec ddtree-b32 dflash --temperatures 0
     ;;
   tp)
     # SmolLM2-135M has 9 attention heads (not divisible by 2): tensor parallelism is
@@ -219,11 +226,8 @@ case "$step" in
     timeout 60 python3 bench/bench_host_overhead.py --device cuda --batch-sizes 1 16 --iters 1000 \
       > "$OUT/host-overhead-gpu-direct.txt" 2>&1
     echo "host overhead rc=$?"
-    timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-direct-launch.json" --configs ddtree-b64-t512+tritonlaunch ddtree-b64-t512 dflash \
-      --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75 \
-      > "$OUT/bench-direct-launch.log" 2>&1
-    echo "bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-direct-launch.log" | cut -c1-300
+    fixture_bench direct-launch 420 --configs ddtree-b64-t512+tritonlaunch ddtree-b64-t512 dflash \
+      --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75
     ;;
   gap)
     # What a drafting-off step costs beyond a plain one (session 7's open question):
@@ -233,10 +237,8 @@ case "$step" in
     prepare
     read -r -a gconfigs <<< "${GAP_CONFIGS:-no-spec no-spec+tritonattn ddtree-b64-t512-d4 ddtree-b64-t512-d4+flashtree}"
     read -r -a gbatches <<< "${GAP_BATCH_SIZES:-4 16 64}"
-    timeout 470 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-gap.json" --configs "${gconfigs[@]}" --batch-sizes "${gbatches[@]}" \
-      --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90 > "$OUT/bench-gap.log" 2>&1
-    echo "gap bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-gap.log" | cut -c1-300
+    fixture_bench gap 470 --configs "${gconfigs[@]}" --batch-sizes "${gbatches[@]}" \
+      --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90
     ;;
   auto)
     # ddtree_tokens_per_step="auto": the token target measured at start-up
@@ -247,11 +249,9 @@ case "$step" in
     read -r -a abatches <<< "${AUTO_BATCH_SIZES:-1 4 16 64}"
     read -r -a asets <<< "${AUTO_PROMPT_SETS:-humaneval sharegpt}"
     read -r -a atemps <<< "${AUTO_TEMPERATURES:-0 1}"
-    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-auto.json" --configs "${aconfigs[@]}" --batch-sizes "${abatches[@]}" \
+    fixture_bench auto 560 --configs "${aconfigs[@]}" --batch-sizes "${abatches[@]}" \
       --prompt-sets "${asets[@]}" --temperatures "${atemps[@]}" --min-requests 16 \
-      --time-budget-s 540 --engine-estimate-s 110 > "$OUT/bench-auto.log" 2>&1
-    echo "auto bench rc=$?"; grep '^{\|skip\|failed\|cost model' "$OUT/bench-auto.log" | cut -c1-400
+      --time-budget-s 540 --engine-estimate-s 110
     ;;
   rounds)
     # Engine-to-engine noise against the configurations' difference: every engine
@@ -260,11 +260,9 @@ case "$step" in
     prepare
     read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d4}"
     read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
-    timeout 560 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-rounds.json" --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
+    fixture_bench rounds 560 --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
       --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 16 \
-      --time-budget-s 540 --engine-estimate-s 110 > "$OUT/bench-rounds.log" 2>&1
-    echo "rounds bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-rounds.log" | cut -c1-300
+      --time-budget-s 540 --engine-estimate-s 110
     ;;
   flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
@@ -276,11 +274,8 @@ case "$step" in
       tests/unit/test_tree_attention_split.py > "$OUT/gpu-flash-tree-tests.log" 2>&1
     echo "flash tree tests rc=$?"; tail -3 "$OUT/gpu-flash-tree-tests.log"
     [ "$step" = flashtree ] || continue
-    timeout 420 python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" --data "$DATA" \
-      --out "$OUT/bench-flash-tree.json" --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
-      --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90 \
-      > "$OUT/bench-flash-tree.log" 2>&1
-    echo "flash tree bench rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-flash-tree.log" | cut -c1-300
+    fixture_bench flash-tree 420 --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
+      --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90
     ;;
   gap-profile)
     prepare
