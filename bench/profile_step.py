@@ -50,6 +50,7 @@ from bench.run import (  # noqa: E402
     _free,
     config_engine_kwargs,
     engine_environment,
+    file_stem,
     load_prompt_sets,
     parse_config,
     spec_counters,
@@ -266,7 +267,7 @@ def profile_config(args, name: str, prompts) -> dict:
     wall_c, _ = generate(llm, prompts, args.max_tokens)
     prof.disable()
     rec["cprofile_wall_s"] = round(wall_c, 4)
-    with open(os.path.join(args.out_dir, f"profile-{name}-cprofile.txt"), "w") as f:
+    with open(os.path.join(args.out_dir, f"profile-{file_stem(name)}-cprofile.txt"), "w") as f:
         f.write(cprofile_text(prof))
 
     from torch.profiler import ProfilerActivity, profile
@@ -279,7 +280,7 @@ def profile_config(args, name: str, prompts) -> dict:
     rec["torch_profile"]["gpu_busy_ms_per_step"] = round(
         rec["torch_profile"]["gpu_busy_ms"] / max(steps, 1), 3)
     if args.trace:
-        raw = os.path.join(args.out_dir, f"profile-{name}-trace.json")
+        raw = os.path.join(args.out_dir, f"profile-{file_stem(name)}-trace.json")
         tprof.export_chrome_trace(raw)
         with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -294,7 +295,7 @@ def profile_config_mp(args, name: str, prompts) -> dict:
 
     from vllm.config import ProfilerConfig
 
-    trace_dir = os.path.abspath(os.path.join(args.out_dir, f"trace-{name}"))
+    trace_dir = os.path.abspath(os.path.join(args.out_dir, f"trace-{file_stem(name)}"))
     os.makedirs(trace_dir, exist_ok=True)
     llm = start_engine(args, name, profiler_config=ProfilerConfig(
         profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=True))
@@ -317,8 +318,8 @@ def profile_config_mp(args, name: str, prompts) -> dict:
         path = max(traces, key=os.path.getsize)
         rec["torch_profile"] = summarize_chrome_trace(load_trace(path), steps)
         if args.trace:
-            shutil.copy(path, os.path.join(args.out_dir, f"profile-{name}-trace.json.gz"
-                                           if path.endswith(".gz") else f"profile-{name}-trace.json"))
+            shutil.copy(path, os.path.join(args.out_dir, f"profile-{file_stem(name)}-trace.json.gz"
+                                           if path.endswith(".gz") else f"profile-{file_stem(name)}-trace.json"))
     else:
         rec["torch_profile_error"] = f"no trace under {trace_dir} after 120 s"
     shutil.rmtree(trace_dir, ignore_errors=True)
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize_chrome_trace(load_trace(args.summarize_trace), args.steps, top=10_000)
         name = os.path.basename(args.summarize_trace).split(".")[0]
         summary.update(trace=os.path.basename(args.summarize_trace), steps=args.steps)
-        with open(os.path.join(args.out_dir, f"kernels-{name}.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"kernels-{file_stem(name)}.json"), "w") as f:
             json.dump(summary, f, indent=1)
         return 0
     # Read by vLLM when an engine starts.
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # record and go on
             rec = {"config": name, "error": repr(exc)[:2000]}
         results.append(rec)
-        with open(os.path.join(args.out_dir, f"profile-{name}.json"), "w") as f:
+        with open(os.path.join(args.out_dir, f"profile-{file_stem(name)}.json"), "w") as f:
             json.dump(rec, f, indent=1)
         tp = rec.get("torch_profile", {})
         print(json.dumps({"config": name, **rec.get("plain", {}),

@@ -274,17 +274,23 @@ def all_steps_fields(entry: dict) -> dict:
     Empty when the entry lacks the counters."""
     try:
         drafts = entry["num_drafts"]
-        accepted = entry["accepted_tokens_per_step"] * drafts
-        draft_tokens = entry["draft_tokens_per_step"] * drafts
-        outputs = entry["output_tokens"] * entry.get("repeats", 1)
+        return all_steps_from_counts(
+            entry["batch_size"], drafts, entry["accepted_tokens_per_step"] * drafts,
+            entry["draft_tokens_per_step"] * drafts,
+            entry["output_tokens"] * entry.get("repeats", 1))
     except (KeyError, TypeError):
         return {}
+
+
+def all_steps_from_counts(batch: int, drafts: float, accepted: float, draft_tokens: float,
+                          outputs: int) -> dict:
+    """:func:`all_steps_fields` from the counts themselves (exact while a run records
+    its cells; from a result row's rounded per-step fields otherwise)."""
     steps = outputs - accepted
     if steps <= 0:
         return {}
     return {"drafting_share": round(drafts / steps, 4),
-            "verified_tokens_per_forward_all_steps": round(
-                entry["batch_size"] * (1 + draft_tokens / steps), 1)}
+            "verified_tokens_per_forward_all_steps": round(batch * (1 + draft_tokens / steps), 1)}
 
 
 def spec_counters(metrics) -> SpecCounters:
@@ -493,9 +499,10 @@ class CellRuns:
                 round((max(tps) - min(tps)) / med, 4) if med else None)
         if method is not None and self.counters.drafts:
             # Each step verifies batch * (1 + drafts) tokens.
-            entry["verified_tokens_per_forward"] = round(
-                batch * (1 + self.counters.draft_tokens / self.counters.drafts), 1)
-            entry.update(all_steps_fields(entry))
+            c = self.counters
+            entry["verified_tokens_per_forward"] = round(batch * (1 + c.draft_tokens / c.drafts), 1)
+            entry.update(all_steps_from_counts(batch, c.drafts, c.accepted, c.draft_tokens,
+                                               sum(s["output_tokens"] for s in self.summaries)))
         if self.greedy:
             entry.update(min(self.greedy, key=lambda g: g["greedy_identical"]))
         return entry
@@ -641,13 +648,18 @@ def _engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig):
     if args.profile_dir and cfg.method == "ddtree":
         # Per-stage GPU times of DDTree steps (vllm_ddtree.step_profile).
         os.makedirs(args.profile_dir, exist_ok=True)
-        # "+" (config flags) is not a safe file-name character for every tool that
-        # carries results back (the GPU host's tool refuses it): "+x" -> "_x".
-        safe_name = cfg.name.replace("+", "_")
-        profile = os.path.join(args.profile_dir, f"step-profile-{args.suite}-{safe_name}.json")
+        profile = os.path.join(args.profile_dir,
+                               f"step-profile-{args.suite}-{file_stem(cfg.name)}.json")
         engine_env["VLLM_DDTREE_PROFILE"] = profile
     with engine_environment(engine_env):
         return LLM(**kw), profile
+
+
+def file_stem(config_name: str) -> str:
+    """A config name as part of a file name: "+" (config flags) is not a safe file-name
+    character for every tool that carries results back (the GPU host's tool refuses
+    it), so "+x" becomes "_x"."""
+    return config_name.replace("+", "_")
 
 
 def config_engine_kwargs(cfg: BenchConfig) -> dict:

@@ -452,8 +452,12 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
         assert r["output_tokens_per_s_engine_spread"] == round(0.5 / 0.75, 4)
         assert r["output_tokens_per_s"] == 0.75 * tokens  # the median of t, t, t/2, t/2
     dflash = rows[1]
-    # 4 runs x (2 drafts, 1 accepted): tau 1.5; 8 drafts.
+    # 4 runs x (2 drafts, 30 draft tokens, 1 accepted): tau 1.5; 8 drafts; over every
+    # step (exact counts): 4 x tokens - 4 accepted request-steps, 8 of them drafting.
     assert dflash["tau"] == 1.5 and dflash["num_drafts"] == 8
+    steps = 4 * dflash["output_tokens"] - 4
+    assert dflash["drafting_share"] == round(8 / steps, 4)
+    assert dflash["verified_tokens_per_forward_all_steps"] == round(1 + 120 / steps, 1)
 
 
 def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypatch):
@@ -584,3 +588,11 @@ def test_the_profiler_starts_flagged_configs_like_the_benchmark(monkeypatch):
 def test_flashtree_flag_selects_flashattention_tree_verification():
     assert parse_config("ddtree-b64-t512-d4+flashtree").env == (
         ("VLLM_DDTREE_TREE_ATTENTION", "flash"),)
+
+
+def test_file_names_of_flagged_configs_avoid_the_plus():
+    from bench import profile_step
+    from bench.run import file_stem
+
+    assert file_stem("ddtree-b64-t512+flashtree+eagerctx") == "ddtree-b64-t512_flashtree_eagerctx"
+    assert profile_step.file_stem is file_stem  # the profiler names its files the same way
