@@ -168,9 +168,16 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     sched = vllm_config.scheduler_config
     counts = measurement_token_counts(sched.max_num_batched_tokens, sched.max_num_seqs, budget,
                                       largest_cuda_graph_tokens(vllm_config))
-    curves = engine_core.collective_rpc(measure_target_forward_ms, args=(counts,))
-    forward_ms = curves[0]  # rank 0's; every rank must use the same schedule
-    tokens = max(2, knee_tokens(list(forward_ms.items()), MAX_SLOWDOWN))
+    try:
+        curves = engine_core.collective_rpc(measure_target_forward_ms, args=(counts,))
+        forward_ms = curves[0]  # rank 0's; every rank must use the same schedule
+        tokens = max(2, knee_tokens(list(forward_ms.items()), MAX_SLOWDOWN))
+    except Exception as exc:
+        raise RuntimeError(
+            f'ddtree_tokens_per_step="auto": measuring the target\'s forward at '
+            f"{counts} tokens failed ({exc!r}); set ddtree_tokens_per_step to a number "
+            "instead (docs/operations.md, 'Choosing the budget')."
+        ) from exc
     schedule = ddtree_budget_schedule(tokens, budget,
                                       getattr(spec, "ddtree_disable_by_batch_size", None))
     spec.num_speculative_tokens_per_batch_size = schedule

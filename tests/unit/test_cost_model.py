@@ -208,3 +208,12 @@ def test_the_measurement_is_written_where_the_environment_says(monkeypatch, tmp_
     assert doc["tokens_per_step"] == 64 and doc["max_slowdown"] == 1.15
     assert doc["forward_ms"]["64"] == 10.0 and doc["forward_ms"]["128"] == 20.0
     assert doc["budget_schedule"] == [list(r) for r in budget_schedule(64, 64)]
+
+
+def test_a_failed_measurement_stops_the_start_naming_the_way_out(monkeypatch):
+    def boom(n):
+        raise RuntimeError("CUDA out of memory")
+
+    core = FakeEngineCore([_worker(FakeClock(), boom)])
+    with pytest.raises(RuntimeError, match='"auto".*CUDA out of memory.*set ddtree_tokens_per_step'):
+        measure_tokens_per_step(core, _vllm_config())
