@@ -75,7 +75,12 @@ def flash_tree_attention(
             causal=False, return_softmax_lse=True, scheduler_metadata=None, **common)
         return ctx_out, ctx_lse
 
+    # The layouts come from vLLM and do not change between steps: checked at a layer's
+    # first tree step only (eager and piecewise steps run this once per layer).
+    checked = getattr(impl, "_ddtree_tree_inputs_checked", False)
     split_tree_attention(out, query, key, value, md.max_query_len, md.query_start_loc,
                          md.tree_context_lens, md.tree_attn_bias, impl.scale,
-                         plain_attention, context_attention)
+                         plain_attention, context_attention, check=not checked)
+    if md.max_query_len > 1:
+        impl._ddtree_tree_inputs_checked = True
     return output

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["merge_tree_suffix_attention", "split_tree_attention"]
+__all__ = ["check_tree_suffix_inputs", "merge_tree_suffix_attention", "split_tree_attention"]
 
 
 @triton.jit
@@ -115,6 +115,7 @@ def merge_tree_suffix_attention(
     context_lens: torch.Tensor,
     tree_bias: torch.Tensor,
     scale: float,
+    check: bool = True,
 ) -> None:
     """For every request of 1..N query tokens (N = ``tree_bias.shape[1]``, the tree
     size): attention of its queries over its own fresh K/V under causal AND the
@@ -124,7 +125,49 @@ def merge_tree_suffix_attention(
     ``output`` [T, Hq, D]. Requests with more than N query tokens are not touched.
 
     ``query_start_loc`` [R + 1] and ``context_lens`` [R] are int32 on the device;
-    one program per (request, query head); no host synchronisation."""
+    one program per (request, query head); no host synchronisation. ``check=False``
+    skips :func:`check_tree_suffix_inputs` (a caller that checked the same layouts
+    before, e.g. once per attention layer)."""
+    if check:
+        check_tree_suffix_inputs(output, query, key, value, ctx_out, ctx_lse,
+                                 query_start_loc, context_lens, tree_bias)
+    num_tokens, num_q_heads, head_size = query.shape
+    num_reqs = query_start_loc.shape[0] - 1
+    if num_reqs <= 0 or num_tokens == 0:
+        return
+    n = tree_bias.shape[1]
+    _merge_tree_suffix_kernel[(num_reqs, num_q_heads)](
+        output, query, key, value, ctx_out, ctx_lse, query_start_loc, context_lens,
+        tree_bias, scale, n,
+        query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        output.stride(0), output.stride(1),
+        ctx_out.stride(0), ctx_out.stride(1),
+        ctx_lse.stride(0),
+        QUERIES_PER_KV=num_q_heads // key.shape[1],
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
+        N_PADDED=max(16, triton.next_power_of_2(n)),
+        # float32 models (the exactness checks) keep float32 products; TF32 would
+        # round them to 10 mantissa bits (1e-3 errors on the GPU).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+
+
+def check_tree_suffix_inputs(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ctx_out: torch.Tensor,
+    ctx_lse: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    tree_bias: torch.Tensor,
+) -> None:
+    """The shapes and layouts :func:`merge_tree_suffix_attention` needs; a
+    ValueError naming the first one that is wrong."""
     if query.ndim != 3 or key.ndim != 3 or value.shape != key.shape:
         raise ValueError("query must be [T, Hq, D] and key/value [T, Hkv, D]")
     num_tokens, num_q_heads, head_size = query.shape
@@ -148,26 +191,6 @@ def merge_tree_suffix_attention(
                     ("ctx_out", ctx_out)):
         if t.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
-    if num_reqs <= 0 or num_tokens == 0:
-        return
-    n = tree_bias.shape[1]
-    _merge_tree_suffix_kernel[(num_reqs, num_q_heads)](
-        output, query, key, value, ctx_out, ctx_lse, query_start_loc, context_lens,
-        tree_bias, scale, n,
-        query.stride(0), query.stride(1),
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        output.stride(0), output.stride(1),
-        ctx_out.stride(0), ctx_out.stride(1),
-        ctx_lse.stride(0),
-        QUERIES_PER_KV=num_q_heads // key.shape[1],
-        HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
-        N_PADDED=max(16, triton.next_power_of_2(n)),
-        # float32 models (the exactness checks) keep float32 products; TF32 would
-        # round them to 10 mantissa bits (1e-3 errors on the GPU).
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-    )
 
 
 def split_tree_attention(
@@ -182,8 +205,10 @@ def split_tree_attention(
     scale: float,
     plain_attention,
     context_attention,
+    check: bool = True,
 ) -> torch.Tensor:
-    """Route 2 of docs/tree-attention.md for one layer and one step.
+    """Route 2 of docs/tree-attention.md for one layer and one step (``check``: see
+    :func:`merge_tree_suffix_attention`).
 
     ``plain_attention(output)``: the backend's own call (causal over the cache,
     e.g. FlashAttention with ``seqused_k = seq_lens``) into ``output``.
@@ -203,5 +228,5 @@ def split_tree_attention(
         plain_attention(output)
     ctx_out, ctx_lse = context_attention()
     merge_tree_suffix_attention(output, query, key, value, ctx_out, ctx_lse,
-                                query_start_loc, context_lens, tree_bias, scale)
+                                query_start_loc, context_lens, tree_bias, scale, check)
     return output

@@ -111,6 +111,26 @@ def test_a_tree_step_is_the_context_call_plus_the_tree_kernel(interpreted, monke
                           scheduler_metadata=None)]
 
 
+def test_a_layer_checks_its_input_layouts_at_its_first_tree_step_only(interpreted, monkeypatch):
+    from vllm.v1.attention.backends import flash_attn
+
+    from vllm_ddtree import tree_attention_triton
+
+    checks = []
+    real = tree_attention_triton.check_tree_suffix_inputs
+    monkeypatch.setattr(tree_attention_triton, "check_tree_suffix_inputs",
+                        lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", _fake_varlen([]), raising=False)
+    b = make_batch([(9, NODES, PARENTS[0]), (3, 1, None)], 7)
+    impl, md, kv_cache, layer = _impl_and_metadata(b)
+    t = b["query"].shape[0]
+    for _ in range(3):
+        output = torch.zeros((t, HQ, D))
+        impl.forward(layer, b["query"], b["key"], b["value"], kv_cache, md, output)
+        assert torch.allclose(output, dense_reference(b), atol=2e-4)
+    assert checks == [1]
+
+
 def test_a_long_prefill_adds_the_plain_call(interpreted, monkeypatch):
     requests = [(9, NODES, PARENTS[1]), (4, NODES + 4, None)]
     b = make_batch(requests, 8)
