@@ -84,7 +84,9 @@ logger = logging.getLogger("vllm.ddtree")
 
 
 def direct_launch_enabled() -> bool:
-    return os.environ.get(DIRECT_LAUNCH_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    from vllm_ddtree.env import env_flag
+
+    return env_flag(DIRECT_LAUNCH_ENV, default=True)
 
 
 def _int_width(v: int) -> str:

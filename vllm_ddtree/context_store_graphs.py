@@ -30,10 +30,11 @@ replay instead of a combine, a copy, vLLM's input-preparation kernel and the sto
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Callable, Sequence
 
 import torch
+
+from vllm_ddtree.env import env_flag
 
 CONTEXT_GRAPHS_ENV = "VLLM_DDTREE_CONTEXT_GRAPHS"
 # vLLM's PAD_SLOT_ID: KV-cache inserts skip negative slots.
@@ -43,10 +44,7 @@ StoreFn = Callable[..., None]
 
 
 def context_graphs_enabled() -> bool:
-    value = os.environ.get(CONTEXT_GRAPHS_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"{CONTEXT_GRAPHS_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes", "on")
+    return env_flag(CONTEXT_GRAPHS_ENV, default=True)
 
 
 def padded_graph_size(sizes: Sequence[int], num_tokens: int) -> int | None:

@@ -24,7 +24,6 @@ One step, for every request of a batch, all on the GPU and without host syncs:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
+from vllm_ddtree.env import env_flag
 from vllm_ddtree.budget import draft_shape, drafting_budgets
 from vllm_ddtree.context_store_graphs import (
     ContextStoreGraphs,
@@ -78,7 +78,7 @@ FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
 
 
 def fused_kernels_enabled() -> bool:
-    return _env_flag(FUSED_KERNELS_ENV)
+    return env_flag(FUSED_KERNELS_ENV, default=True)
 
 
 # VLLM_DDTREE_LEAN_DRAFT=1: the drafter computes logits and builds trees only as deep
@@ -90,11 +90,8 @@ LEAN_DRAFT_ENV = "VLLM_DDTREE_LEAN_DRAFT"
 
 
 def lean_draft_enabled() -> bool:
-    return _env_flag(LEAN_DRAFT_ENV, default="0")
+    return env_flag(LEAN_DRAFT_ENV, default=False)
 
-
-def _env_flag(name: str, default: str = "1") -> bool:
-    return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
 # Under vLLM's logger, so its handler and level apply (a logger outside the "vllm"
 # tree only prints warnings, through Python's last-resort handler).
