@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_ddtree.env import env_flag
+
 try:  # pragma: no cover - exercised implicitly by every Triton test
     import triton
     import triton.language as tl
@@ -84,8 +86,6 @@ logger = logging.getLogger("vllm.ddtree")
 
 
 def direct_launch_enabled() -> bool:
-    from vllm_ddtree.env import env_flag
-
     return env_flag(DIRECT_LAUNCH_ENV, default=True)
 
 

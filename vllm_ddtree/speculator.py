@@ -39,13 +39,13 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
-from vllm_ddtree.env import env_flag
 from vllm_ddtree.budget import draft_shape, drafting_budgets
 from vllm_ddtree.context_store_graphs import (
     ContextStoreGraphs,
     context_graphs_enabled,
     padded_graph_size,
 )
+from vllm_ddtree.env import env_flag
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
