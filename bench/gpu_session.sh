@@ -44,6 +44,7 @@
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
+#   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -279,6 +280,15 @@ case "$step" in
     fixture_bench flash-tree 420 --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
       --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90
     ;;
+  flashlong)
+    # The case the FlashAttention tree route is built for: long contexts (held-out
+    # ShareGPT requests joined into 1024-1792-token prompts, bench/run.py
+    # sharegpt-long), trees on Triton and on FlashAttention, plain decoding beside.
+    prepare
+    read -r -a lconfigs <<< "${FLASHLONG_CONFIGS:-ddtree-b64-t512 ddtree-b64-t512+flashtree no-spec}"
+    fixture_bench flash-tree-long 560 --configs "${lconfigs[@]}" --prompt-sets sharegpt-long \
+      --batch-sizes 1 4 16 --repeats 2 --min-requests 16 --time-budget-s 540 --engine-estimate-s 110
+    ;;
   gap-profile)
     prepare
     mkdir -p "$OUT/profile"
@@ -302,6 +312,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|auto|gap-profile|flashtests|flashtree" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
 esac
 done

@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -520,10 +521,28 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 
 # ----------------------------------------------------------------------------- prompts
+PROMPT_FILES = {"humaneval": "humaneval.jsonl", "sharegpt": "sharegpt_bench.jsonl",
+                "sharegpt-long": "sharegpt_bench.jsonl"}
+# sharegpt-long: held-out ShareGPT requests joined into one request of this many
+# prompt tokens (chat template included), for attention over long contexts; with 128
+# new tokens and a tree of up to 65 it stays inside --max-model-len 2048.
+LONG_PROMPT_TOKENS = (1024, 1792)
+LONG_PROMPT_HEADER = "Answer each of the following requests in turn.\n\n"
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
 def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: int,
                      seed: int = 0) -> dict[str, list[list[int]]]:
     """Token ids per prompt set: the chat template applied to each prompt, as in
-    training (``bench.fixture.train_dflash_drafter.Target.encode_chat``)."""
+    training (``bench.fixture.train_dflash_drafter.Target.encode_chat``); prompts of
+    at most 768 tokens, except ``sharegpt-long`` (:data:`LONG_PROMPT_TOKENS`)."""
     sets: dict[str, list[list[int]]] = {}
     for name in names:
         if name == "random":
@@ -533,27 +552,45 @@ def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: i
             continue
         if data_dir is None:
             raise SystemExit(f"prompt set {name!r} needs --data (bench.fixture.prompts output)")
-        file = {"humaneval": "humaneval.jsonl", "sharegpt": "sharegpt_bench.jsonl"}.get(name)
+        file = PROMPT_FILES.get(name)
         if file is None:
-            raise SystemExit(f"unknown prompt set {name!r}: use humaneval, sharegpt or random")
+            raise SystemExit(f"unknown prompt set {name!r}: use {', '.join(PROMPT_FILES)} "
+                             "or random")
         path = os.path.join(data_dir, file)
         if not os.path.exists(path):
             raise SystemExit(f"{path} is missing (python -m bench.fixture.prompts builds it)")
         with open(path, encoding="utf-8") as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-        ids = []
-        for r in recs:
-            out = tokenizer.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                tokenize=True)
-            if isinstance(out, dict) or hasattr(out, "keys"):
-                out = out["input_ids"]
-            if len(out) <= 768:
-                ids.append(list(out))
-            if len(ids) >= limit:
-                break
+            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        ids = (_long_prompts(tokenizer, texts, limit) if name == "sharegpt-long"
+               else list(itertools.islice((out for out in (_chat_ids(tokenizer, t) for t in texts)
+                                           if len(out) <= 768), limit)))
         sets[name] = ids
     return sets
+
+
+def _long_prompts(tokenizer, texts: list[str], limit: int,
+                  rotation: int = 13) -> list[list[int]]:
+    """Consecutive prompts joined under :data:`LONG_PROMPT_HEADER` until the request
+    has at least ``LONG_PROMPT_TOKENS[0]`` tokens; kept if at most the upper bound.
+    When one pass gives too few (200 held-out ShareGPT prompts give ~9), further
+    passes start ``rotation`` prompts later, so the groups differ; no request twice."""
+    low, high = LONG_PROMPT_TOKENS
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for start in range(0, len(texts), rotation):
+        parts: list[str] = []
+        for text in texts[start:] + texts[:start]:
+            parts.append(text)
+            ids = _chat_ids(tokenizer, LONG_PROMPT_HEADER + "\n\n".join(parts))
+            if len(ids) < low:
+                continue
+            if len(ids) <= high and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                out.append(ids)
+                if len(out) >= limit:
+                    return out
+            parts = []
+    return out
 
 
 # ----------------------------------------------------------------------------- 8B shapes

@@ -596,3 +596,60 @@ def test_file_names_of_flagged_configs_avoid_the_plus():
 
     assert file_stem("ddtree-b64-t512+flashtree+eagerctx") == "ddtree-b64-t512_flashtree_eagerctx"
     assert profile_step.file_stem is file_stem  # the profiler names its files the same way
+
+
+class _WordTokenizer:
+    """A chat template of one token per word, plus 3 framing tokens."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.calls += 1
+        return [1] + [len(w) for w in messages[0]["content"].split()] + [2, 3]
+
+
+def _prompt_file(tmp_path, texts):
+    import json
+
+    (tmp_path / "sharegpt_bench.jsonl").write_text(
+        "".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return str(tmp_path)
+
+
+def test_prompt_sets_keep_short_prompts_and_stop_at_the_limit(tmp_path):
+    from bench.run import load_prompt_sets
+
+    data = _prompt_file(tmp_path, ["a b", "word " * 800, "c d e", "f", "g h"])
+    tok = _WordTokenizer()
+    sets = load_prompt_sets(["sharegpt"], data, tok, limit=2)
+    assert sets["sharegpt"] == [[1, 1, 1, 2, 3], [1, 1, 1, 1, 2, 3]]  # the 803-token one dropped
+    assert tok.calls == 3  # stops once it has enough
+
+
+def test_the_long_prompt_set_joins_requests_into_long_contexts(tmp_path, monkeypatch):
+    import bench.run as run
+
+    monkeypatch.setattr(run, "LONG_PROMPT_TOKENS", (40, 60))
+    texts = ["w " * 15] * 6 + ["w " * 100] + ["w " * 25] * 4
+    sets = run.load_prompt_sets(["sharegpt-long"], _prompt_file(tmp_path, texts), _WordTokenizer(),
+                                limit=5)
+    lengths = [len(p) for p in sets["sharegpt-long"]]
+    # Header (8 words) + 2 x 15 words + 3 framing = 41 >= 40: the six short prompts make
+    # three requests; the 100-word prompt alone overshoots (111 > 60: dropped); two
+    # 25-word prompts make 61 > 60 (dropped), twice: nothing else fits.
+    assert lengths == [41, 41, 41]
+    assert all(40 <= n <= 60 for n in lengths)
+    with pytest.raises(SystemExit, match="sharegpt-long"):
+        run.load_prompt_sets(["long"], str(tmp_path), _WordTokenizer(), limit=1)
+
+
+def test_long_prompts_rotate_for_more_groups_without_repeats(monkeypatch):
+    import bench.run as run
+
+    monkeypatch.setattr(run, "LONG_PROMPT_TOKENS", (40, 60))
+    texts = ["w " * 15 + "x" * (i + 1) for i in range(4)]  # 16 words each, all different
+    got = run._long_prompts(_WordTokenizer(), texts, limit=10, rotation=1)
+    # Pairs (0,1) (2,3), then from the 2nd prompt on (1,2) (3,0); later passes repeat them.
+    assert len(got) == 4 and len({tuple(p) for p in got}) == 4
+    assert all(len(p) == 8 + 32 + 3 for p in got)
