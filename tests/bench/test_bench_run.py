@@ -631,7 +631,8 @@ def test_the_long_prompt_set_joins_requests_into_long_contexts(tmp_path, monkeyp
     import bench.run as run
 
     monkeypatch.setattr(run, "LONG_PROMPT_TOKENS", (40, 60))
-    texts = ["w " * 15] * 6 + ["w " * 100] + ["w " * 25] * 4
+    texts = (["w " * 14 + "x" * (i + 1) for i in range(6)] + ["w " * 100]
+             + ["w " * 24 + "y" * (i + 1) for i in range(4)])  # 15, 100 and 25 words
     sets = run.load_prompt_sets(["sharegpt-long"], _prompt_file(tmp_path, texts), _WordTokenizer(),
                                 limit=5)
     lengths = [len(p) for p in sets["sharegpt-long"]]
