@@ -93,14 +93,10 @@ class BenchConfig:
             if self.disable_by_batch_size is not None:
                 spec["ddtree_disable_by_batch_size"] = self.disable_by_batch_size
             return spec
-        from vllm_ddtree.budget import budget_schedule, disable_from_batch_size
+        from vllm_ddtree.budget import batch_budget_schedule
 
-        schedule = None
-        if self.tokens_per_step is not None:
-            schedule = budget_schedule(self.tokens_per_step, self.num_speculative_tokens)
-        if self.disable_by_batch_size is not None:
-            schedule = disable_from_batch_size(schedule, self.num_speculative_tokens,
-                                               self.disable_by_batch_size)
+        schedule = batch_budget_schedule(self.tokens_per_step, self.num_speculative_tokens,
+                                         self.disable_by_batch_size)
         if schedule is not None:
             spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in schedule]
         return spec
@@ -440,6 +436,12 @@ REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
                    "latency_p50_s", "latency_p99_s")
 
 
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median: how far repeated measurements of one thing scatter."""
+    med = statistics.median(values)
+    return round((max(values) - min(values)) / med, 4) if med else None
+
+
 def merge_repeats(summaries: list[dict]) -> dict:
     """One cell measured ``len(summaries)`` times in a row on the same engine: the
     median of each timing field, every run's tokens/s, and their spread ((max - min)
@@ -455,8 +457,7 @@ def merge_repeats(summaries: list[dict]) -> dict:
         merged[key] = _r(statistics.median(values)) if values else None
     runs = [s["output_tokens_per_s"] for s in summaries]
     merged["output_tokens_per_s_runs"] = runs
-    med = statistics.median(runs)
-    merged["output_tokens_per_s_spread"] = round((max(runs) - min(runs)) / med, 4) if med else None
+    merged["output_tokens_per_s_spread"] = spread(runs)
     merged["repeats"] = len(summaries)
     return merged
 
@@ -464,9 +465,10 @@ def merge_repeats(summaries: list[dict]) -> dict:
 @dataclass
 class CellRuns:
     """Every measured run of one cell (config, prompt set, batch size, temperature)
-    over the engine rounds of a run (``--engine-rounds``): the runs' summaries, the
-    median tokens/s of each engine, the spec counters summed over all runs and each
-    round's greedy comparison."""
+    over the engine rounds of a run (``--engine-rounds``): its row in the result, the
+    runs' summaries, the median tokens/s of each engine, the spec counters summed
+    over all runs and each round's greedy comparison."""
+    row: int  # its index in the result's "results"
     summaries: list[dict] = field(default_factory=list)
     engine_tokens_per_s: list[float] = field(default_factory=list)
     counters: SpecCounters = field(default_factory=SpecCounters)
@@ -493,11 +495,9 @@ class CellRuns:
                      **self.counters.summary())
         if len(self.engine_tokens_per_s) > 1:
             tps = self.engine_tokens_per_s
-            med = statistics.median(tps)
             entry["engine_rounds"] = len(tps)
             entry["output_tokens_per_s_engines"] = list(tps)
-            entry["output_tokens_per_s_engine_spread"] = (
-                round((max(tps) - min(tps)) / med, 4) if med else None)
+            entry["output_tokens_per_s_engine_spread"] = spread(tps)
         if method is not None and self.counters.drafts:
             # Each step verifies batch * (1 + drafts) tokens.
             c = self.counters
@@ -777,7 +777,7 @@ class Recorder:
 
 
 def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig,
-                   rnd: int, prompt_sets: dict, rec: Recorder, cells: dict, rows: dict,
+                   rnd: int, prompt_sets: dict, rec: Recorder, cells: dict,
                    reference: dict, exact: bool) -> None:
     """One engine of ``cfg`` (engine round ``rnd``): warm-up, then every cell
     ``args.repeats`` times; each cell's row in ``rec`` merges every engine so far."""
@@ -825,14 +825,13 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                         reference.setdefault(key, outs)
                     elif key in reference and not suite.dummy:
                         greedy = greedy_fields(outs, reference[key], exact)
-                cell = cells.setdefault((cfg.name, *key), CellRuns())
+                cell = cells.get((cfg.name, *key))
+                if cell is None:
+                    cell = cells[(cfg.name, *key)] = CellRuns(row=len(rec.doc["results"]))
+                    rec.doc["results"].append(None)
                 cell.add_engine([r[1] for r in runs], [r[2] for r in runs], greedy)
                 entry = cell.entry(cfg.name, cfg.method, set_name, batch, temp)
-                row = rows.setdefault((cfg.name, *key), len(rec.doc["results"]))
-                if row == len(rec.doc["results"]):
-                    rec.doc["results"].append(entry)
-                else:
-                    rec.doc["results"][row] = entry
+                rec.doc["results"][cell.row] = entry
                 rec.save()
                 print(json.dumps({k: entry.get(k) for k in (
                     "config", "prompt_set", "batch_size", "temperature", "tau",
@@ -955,7 +954,6 @@ def main(argv: list[str] | None = None) -> int:
     reference: dict[tuple, list[list[int]]] = {}
     exact = rec.doc["greedy_exact"]
     cells: dict[tuple, CellRuns] = {}
-    rows: dict[tuple, int] = {}  # cell -> its index in rec.doc["results"]
     for rnd in range(args.engine_rounds):
         for cfg in round_order(configs, rnd):
             elapsed = time.time() - t_start
@@ -966,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skip {cfg.name} (round {rnd}): time budget", flush=True)
                 continue
             measure_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec,
-                           cells, rows, reference, exact)
+                           cells, reference, exact)
     rec.doc["wall_s"] = round(time.time() - t_start, 1)
     if suite.dummy:
         rec.doc["cost_model"] = cost_model(rec.doc["results"])

@@ -2,10 +2,10 @@
 """Markdown tables of a ``bench/run.py`` result, as docs/benchmarks.md shows them.
 
 One table per (prompt set, temperature): output tokens/s (tau) of every configuration
-by batch size (with ``--engine-rounds``, each engine's tokens/s in brackets), then DDTree's tokens/s divided by the better of the chain
-configurations in each cell and by no speculation's, and DDTree's verified tokens per
-target forward over all of the cell's steps (with drafting off at large batches most
-steps verify none).
+by batch size (with ``--engine-rounds``, each engine's tokens/s in brackets), then
+DDTree's tokens/s divided by the better of the chain configurations in each cell and
+by no speculation's, and DDTree's verified tokens per target forward over all of the
+cell's steps (with drafting off at large batches most steps verify none).
 
     python bench/tables.py bench/results/bench-fixture-mp-t512.json \
         --ddtree ddtree-b64-t512 --chains dflash dflash-t512

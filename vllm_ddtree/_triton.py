@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_ddtree.env import env_flag
+from vllm_ddtree.env import TRUE_WORDS, env_flag
 
 try:  # pragma: no cover - exercised implicitly by every Triton test
     import triton
@@ -35,7 +35,7 @@ _JIT_CACHE: dict[tuple[Callable[..., Any], bool], Any] = {}
 
 def triton_interpreting() -> bool:
     """True when Triton kernels will run in Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in TRUE_WORDS
 
 
 def can_use_triton(*tensors: torch.Tensor) -> bool:

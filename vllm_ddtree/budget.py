@@ -102,6 +102,18 @@ def disable_from_batch_size(schedule: list[tuple[int, int, int]] | None, max_bud
     return kept + [(first_disabled, OPEN_END, 0)]
 
 
+def batch_budget_schedule(tokens_per_step: int | None, max_budget: int,
+                          first_disabled: int | None) -> list[tuple[int, int, int]] | None:
+    """``num_speculative_tokens_per_batch_size`` for a token target and/or a
+    drafting-off batch size: :func:`budget_schedule`, then
+    :func:`disable_from_batch_size` (None when neither is set: the full budget
+    always)."""
+    schedule = None if tokens_per_step is None else budget_schedule(tokens_per_step, max_budget)
+    if first_disabled is not None:
+        schedule = disable_from_batch_size(schedule, max_budget, first_disabled)
+    return schedule
+
+
 def draft_shape(budget: int, max_depth: int, top_k: int) -> tuple[int, int]:
     """``(depth, top-K)`` a tree of ``budget`` best-first nodes can use.
 

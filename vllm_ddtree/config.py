@@ -150,7 +150,8 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             "verifies by walking the tree with the target's own samples (leave it "
             "'standard')."
         )
-    from vllm_ddtree.cost_model import ddtree_budget_schedule, is_auto, provisional_schedule
+    from vllm_ddtree.budget import batch_budget_schedule
+    from vllm_ddtree.cost_model import is_auto, provisional_schedule
 
     tokens_per_step = getattr(spec_config, "ddtree_tokens_per_step", None)
     auto = is_auto(tokens_per_step)
@@ -182,7 +183,7 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             budget, first_disabled
         )
     elif tokens_per_step is not None or first_disabled is not None:
-        spec_config.num_speculative_tokens_per_batch_size = ddtree_budget_schedule(
+        spec_config.num_speculative_tokens_per_batch_size = batch_budget_schedule(
             tokens_per_step, budget, first_disabled
         )
 
@@ -197,8 +198,10 @@ def is_auto_tokens_per_step(spec_config: Any) -> bool:
 
 
 def _v2_runner_refused_by_env() -> bool:
+    from vllm_ddtree.env import FALSE_WORDS
+
     value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    return value is not None and value.strip().lower() in ("0", "false", "no", "off")
+    return value is not None and value.strip().lower() in FALSE_WORDS
 
 
 def _target_supports_aux_hidden_states(model_config: Any) -> bool | None:

@@ -37,7 +37,12 @@ import statistics
 import time
 from typing import Any
 
-from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size, knee_tokens
+from vllm_ddtree.budget import (
+    OPEN_END,
+    batch_budget_schedule,
+    disable_from_batch_size,
+    knee_tokens,
+)
 
 TOKENS_PER_STEP_AUTO = "auto"
 # Issue 6's bound: a DDTree step at the chosen budget may cost up to 1.15x a step
@@ -54,16 +59,6 @@ logger = logging.getLogger("vllm.ddtree")
 
 def is_auto(tokens_per_step: Any) -> bool:
     return isinstance(tokens_per_step, str) and tokens_per_step.strip().lower() == TOKENS_PER_STEP_AUTO
-
-
-def ddtree_budget_schedule(tokens_per_step: int | None, max_budget: int,
-                           first_disabled: int | None) -> list[tuple[int, int, int]] | None:
-    """``num_speculative_tokens_per_batch_size`` for a token target and/or a
-    drafting-off batch size (None when neither is set: the full budget always)."""
-    schedule = None if tokens_per_step is None else budget_schedule(tokens_per_step, max_budget)
-    if first_disabled is not None:
-        schedule = disable_from_batch_size(schedule, max_budget, first_disabled)
-    return schedule
 
 
 def provisional_schedule(max_budget: int,
@@ -178,7 +173,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
             f"{counts} tokens failed ({exc!r}); set ddtree_tokens_per_step to a number "
             "instead (docs/operations.md, 'Choosing the budget')."
         ) from exc
-    schedule = ddtree_budget_schedule(tokens, budget,
+    schedule = batch_budget_schedule(tokens, budget,
                                       getattr(spec, "ddtree_disable_by_batch_size", None))
     spec.num_speculative_tokens_per_batch_size = schedule
     engine_core.collective_rpc(apply_budget_schedule, args=(schedule,))

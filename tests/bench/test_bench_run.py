@@ -494,7 +494,7 @@ def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypa
 def test_a_cell_reports_the_engine_with_the_fewest_identical_outputs():
     from bench.run import CellRuns, cell_summary
 
-    cell = CellRuns()
+    cell = CellRuns(row=0)
     summary = cell_summary([[1, 2]], 1.0, [1.0], [0.001])
     cell.add_engine([summary], [], {"greedy_identical": 5, "greedy_total": 5})
     cell.add_engine([summary], [], {"greedy_identical": 4, "greedy_total": 5})

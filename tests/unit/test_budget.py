@@ -78,3 +78,18 @@ def test_knee_from_measured_step_costs():
     for bad in (0.0, float("nan")):
         with pytest.raises(ValueError, match="positive cost"):
             knee_tokens([(1, 3.6), (64, bad)])
+
+
+def test_a_token_target_and_a_drafting_off_size_compose():
+    from vllm_ddtree.budget import (
+        OPEN_END,
+        batch_budget_schedule,
+        budget_schedule,
+        disable_from_batch_size,
+    )
+
+    assert batch_budget_schedule(512, 64, None) == budget_schedule(512, 64)
+    assert batch_budget_schedule(512, 64, 16) == disable_from_batch_size(
+        budget_schedule(512, 64), 64, 16)
+    assert batch_budget_schedule(None, 32, 4) == [(1, 3, 32), (4, OPEN_END, 0)]
+    assert batch_budget_schedule(None, 32, None) is None

@@ -11,10 +11,9 @@ import types
 import pytest
 
 from vllm_ddtree import cost_model
-from vllm_ddtree.budget import OPEN_END, budget_schedule, disable_from_batch_size
+from vllm_ddtree.budget import OPEN_END, batch_budget_schedule, budget_schedule
 from vllm_ddtree.cost_model import (
     apply_budget_schedule,
-    ddtree_budget_schedule,
     largest_cuda_graph_tokens,
     measure_target_forward_ms,
     measure_tokens_per_step,
@@ -43,14 +42,6 @@ def test_the_largest_graph_is_none_without_graphs():
     assert largest_cuda_graph_tokens(graphs) == 512
     graphs.compilation_config.cudagraph_mode = types.SimpleNamespace(name="NONE")
     assert largest_cuda_graph_tokens(graphs) is None
-
-
-def test_schedules_compose_like_the_configured_ones():
-    assert ddtree_budget_schedule(512, 64, None) == budget_schedule(512, 64)
-    assert ddtree_budget_schedule(512, 64, 16) == disable_from_batch_size(
-        budget_schedule(512, 64), 64, 16)
-    assert ddtree_budget_schedule(None, 32, 4) == [(1, 3, 32), (4, OPEN_END, 0)]
-    assert ddtree_budget_schedule(None, 32, None) is None
 
 
 class FakeClock:
@@ -150,7 +141,7 @@ def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_d
     core = FakeEngineCore([rank0, rank1])
     cfg = _vllm_config(first_disabled=first_disabled)
     assert measure_tokens_per_step(core, cfg) == 128
-    expected = ddtree_budget_schedule(128, 64, first_disabled)
+    expected = batch_budget_schedule(128, 64, first_disabled)
     assert core.rpcs == ["measure_target_forward_ms", "apply_budget_schedule"]
     assert cfg.speculative_config.num_speculative_tokens_per_batch_size == expected
     for w in (rank0, rank1):
