@@ -21,7 +21,8 @@
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
-#   bash bench/gpu_session.sh cost     # bench/run.py --suite cost8b (Qwen3-8B shape, dummy)
+#   bash bench/gpu_session.sh cost     # the cost model's GPU timer test, then bench/run.py
+#                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
@@ -164,9 +165,13 @@ case "$step" in
     ;;
   cost)
     apply_series
-    timeout 560 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
+    # The start-up cost model's timer ("auto") against CUDA-graph replays first.
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/test_cost_model_gpu.py \
+      > "$OUT/gpu-cost-model-timer-tests.log" 2>&1
+    echo "cost-model timer tests rc=$?"; tail -2 "$OUT/gpu-cost-model-timer-tests.log"
+    timeout 500 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
       ${COST_CONFIGS:+--configs $COST_CONFIGS} \
-      --time-budget-s "${BENCH_BUDGET_S:-480}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
+      --time-budget-s "${BENCH_BUDGET_S:-440}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
     echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300
     ;;
   algos)

@@ -22,10 +22,19 @@ only. With ``"auto"`` the engine measures it instead:
    and on every worker (:func:`apply_budget_schedule`, a second RPC), before the
    workers capture their CUDA graphs, which follow the schedule.
 
-The forwards run eagerly (no graph exists yet), so on a target whose eager forward is
-bound by the host (a small model) the curve is flat and ``T`` comes out as the largest
-count measured; on a GPU-bound target the curve is the GPU's. Data parallelism is
-refused with ``"auto"`` (each engine core would measure its own schedule).
+No graph exists yet, so the forward runs eagerly, and an eager forward's wall time is
+the host's: launching an 8B target's ~500 kernels one by one took 12-18 ms on the H200
+at every token count, noisily, while the same forward replayed from a CUDA graph takes
+5.2 ms (session 9, ``bench/results/session9/``), and a knee read from wall times chose
+2 tokens per step. What a step pays after capture is the forward's kernels run back to
+back, so that is what is timed (:class:`QueuedKernelTimer`): a spin kernel holds the
+GPU while the host queues the whole forward behind it, and CUDA events time the
+kernels from the end of the spin to the end of the forward. A measurement where the
+host did not finish queueing before the spin ended (a forward that synchronises with
+the host, or more launches than the GPU's queue holds) is retried with a longer spin
+and, failing that, stops the start with an error naming the way out (a number for
+``ddtree_tokens_per_step``). Data parallelism is refused with ``"auto"`` (each engine
+core would measure its own schedule).
 """
 
 from __future__ import annotations
@@ -50,6 +59,14 @@ TOKENS_PER_STEP_AUTO = "auto"
 MAX_SLOWDOWN = 1.15
 # Timed forwards per token count (their median is kept), after one warm-up forward.
 MEASURE_ITERS = 5
+# A timing counts only if the host queued the whole forward within this share of the
+# spin (the rest is slack for the launches between the spin and the forward).
+MAX_QUEUEING_SHARE = 0.8
+# The first spin, and how often a spin too short for the host is lengthened.
+FIRST_SPIN_MS = 20.0
+SPIN_ATTEMPTS = 4
+# A spin kernel's clock rate is calibrated with this many cycles (about 1 ms on an H200).
+CALIBRATION_CYCLES = 2_000_000
 # Where the engine core also writes the measurement as JSON (curve, token target,
 # schedule), e.g. for bench/run.py; the log line has the same.
 REPORT_ENV = "VLLM_DDTREE_COST_MODEL_REPORT"
@@ -108,19 +125,99 @@ def largest_cuda_graph_tokens(vllm_config: Any) -> int | None:
     return getattr(compilation, "max_cudagraph_capture_size", None) or None
 
 
-def _sync() -> None:
-    import torch
+class QueueingFailed(RuntimeError):
+    """The host could not queue a whole forward ahead of the GPU."""
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+
+class CudaStream:
+    """The CUDA calls :class:`QueuedKernelTimer` makes, on torch's current stream (a
+    test stands in a simulated GPU with the same four methods)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("measuring the target's forward needs a CUDA GPU")
+        self._cuda = torch.cuda
+
+    def spin(self, cycles: int) -> None:
+        self._cuda._sleep(cycles)
+
+    def event(self) -> Any:
+        return self._cuda.Event(enable_timing=True)
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize()
+
+
+class QueuedKernelTimer:
+    """GPU milliseconds of a function's kernels run back to back, as a CUDA graph
+    replays them, however slowly the host launches them.
+
+    Each timing: synchronise; record event A; a spin kernel of ``spin_ms``; event B;
+    call the function (the host only queues its kernels behind the spin); event C.
+    B..C is the kernels' time if the host finished queueing before the spin ended,
+    which holds when the host's queueing time is under :data:`MAX_QUEUEING_SHARE` of
+    A..B (the spin as the GPU ran it). Otherwise the spin is lengthened to cover the
+    host and the timing repeated, :data:`SPIN_ATTEMPTS` times at most; a function that
+    waits for the GPU never fits (its host time grows with the spin) and raises
+    :class:`QueueingFailed`.
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream if stream is not None else CudaStream()
+        self.spin_ms = FIRST_SPIN_MS
+        self.cycles_per_ms = self._calibrate()
+
+    def _spin_ms_elapsed(self, cycles: int) -> float:
+        before, after = self.stream.event(), self.stream.event()
+        self.stream.synchronize()
+        before.record()
+        self.stream.spin(cycles)
+        after.record()
+        after.synchronize()
+        return before.elapsed_time(after)
+
+    def _calibrate(self) -> float:
+        # The fastest of three: launch latency can only lengthen a spin as timed.
+        elapsed = min(self._spin_ms_elapsed(CALIBRATION_CYCLES) for _ in range(3))
+        if not elapsed > 0:
+            raise QueueingFailed(f"a spin of {CALIBRATION_CYCLES} cycles timed {elapsed} ms")
+        return CALIBRATION_CYCLES / elapsed
+
+    def __call__(self, fn: Any) -> float:
+        host_ms = spun_ms = 0.0
+        for _ in range(SPIN_ATTEMPTS):
+            start, queued, end = self.stream.event(), self.stream.event(), self.stream.event()
+            self.stream.synchronize()
+            start.record()
+            self.stream.spin(max(1, int(self.spin_ms * self.cycles_per_ms)))
+            queued.record()
+            t0 = time.perf_counter()
+            fn()
+            host_ms = (time.perf_counter() - t0) * 1e3
+            end.record()
+            end.synchronize()
+            spun_ms = start.elapsed_time(queued)
+            if host_ms <= MAX_QUEUEING_SHARE * spun_ms:
+                # Keep the spin at about twice what this host needed.
+                self.spin_ms = max(1.0, min(self.spin_ms, 2.0 * host_ms))
+                return queued.elapsed_time(end)
+            self.spin_ms = max(2.0 * self.spin_ms, 2.5 * host_ms)
+        raise QueueingFailed(
+            f"the host needed {host_ms:.1f} ms to queue the forward behind a "
+            f"{spun_ms:.1f} ms spin, {SPIN_ATTEMPTS} times: the forward waits for the GPU "
+            "(a host sync) or has more launches than the GPU's queue holds")
 
 
 def measure_target_forward_ms(worker: Any, token_counts: list[int],
-                              iters: int = MEASURE_ITERS) -> dict[int, float]:
+                              iters: int = MEASURE_ITERS,
+                              timer: Any = None) -> dict[int, float]:
     """Worker side (an RPC; ``worker`` is vLLM's worker or its wrapper): the median
-    wall time, in ms, of the target's forward at each token count, through the V2
-    runner's profiling dummy run (no attention, no KV cache yet). The drafter is
-    detached for the measurement and put back afterwards."""
+    GPU time, in ms, of the target's forward at each token count with its kernels run
+    back to back (:class:`QueuedKernelTimer`, or ``timer``), through the V2 runner's
+    profiling dummy run (no attention, no KV cache yet). The drafter is detached for
+    the measurement and put back afterwards."""
     runner = worker.model_runner
     speculator = runner.speculator
     runner.speculator = None
@@ -128,15 +225,12 @@ def measure_target_forward_ms(worker: Any, token_counts: list[int],
     try:
         for n in token_counts:  # warm-up: first use of a shape may compile
             runner._dummy_run(n, skip_attn=True, is_profile=True)
+        timer = timer if timer is not None else QueuedKernelTimer()
         for n in token_counts:
-            samples = []
-            for _ in range(iters):
-                _sync()
-                start = time.perf_counter()
+            def forward(n: int = n) -> None:
                 runner._dummy_run(n, skip_attn=True, is_profile=True)
-                _sync()
-                samples.append(time.perf_counter() - start)
-            times[n] = statistics.median(samples) * 1e3
+
+            times[n] = statistics.median(timer(forward) for _ in range(iters))
     finally:
         runner.speculator = speculator
     return times
@@ -178,6 +272,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     spec.num_speculative_tokens_per_batch_size = schedule
     engine_core.collective_rpc(apply_budget_schedule, args=(schedule,))
     report = {"forward_ms": {str(n): round(t, 4) for n, t in sorted(forward_ms.items())},
+              "timing": "GPU time of the forward's kernels queued back to back",
               "max_slowdown": MAX_SLOWDOWN, "tokens_per_step": tokens,
               "budget_schedule": [list(r) for r in schedule]}
     path = os.environ.get(REPORT_ENV)
@@ -185,7 +280,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
         with open(path, "w") as f:
             json.dump(report, f)
     logger.info(
-        "DDTree cost model: target forward by tokens (ms, eager) %s; %d tokens per step "
+        "DDTree cost model: target forward by tokens (GPU ms, kernels back to back) %s; %d tokens per step "
         "(forward <= %.2fx the %d-token one); budget by batch size %s",
         {n: round(t, 3) for n, t in sorted(forward_ms.items())}, tokens, MAX_SLOWDOWN,
         min(forward_ms), schedule)

@@ -1,8 +1,8 @@
 """vllm_ddtree.cost_model: ddtree_tokens_per_step="auto", the token target measured at
 start-up. The grid is pure (the knee rule, vllm_ddtree.budget.knee_tokens, is tested in
 test_budget.py); the worker and engine-core sides run
-against fakes of vLLM's runner, workers and engine core (a fake clock stands in for
-the GPU: no test here depends on real time)."""
+against fakes of vLLM's runner, workers and engine core, and the timer against a
+simulated CUDA stream on a fake host clock (no test here depends on real time)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 from vllm_ddtree import cost_model
 from vllm_ddtree.budget import OPEN_END, batch_budget_schedule, budget_schedule
 from vllm_ddtree.cost_model import (
+    QueuedKernelTimer,
+    QueueingFailed,
     apply_budget_schedule,
     largest_cuda_graph_tokens,
     measure_target_forward_ms,
@@ -45,6 +47,8 @@ def test_the_largest_graph_is_none_without_graphs():
 
 
 class FakeClock:
+    """time.perf_counter in seconds, moved by the simulated host."""
+
     def __init__(self):
         self.now = 0.0
 
@@ -52,29 +56,111 @@ class FakeClock:
         return self.now
 
 
-class FakeRunner:
-    """The V2 runner's surface the measurement uses: a dummy run whose cost is
-    ``cost_ms(n)`` on the fake clock, and the speculator attribute."""
+class SimulatedStream:
+    """One CUDA stream as the GPU runs it, on the fake host clock: a kernel starts when
+    it is queued and the kernel before it is done; every launch costs the host
+    ``launch_ms``; an event is an empty kernel; a spin of c cycles runs c /
+    CYCLES_PER_MS ms. The four methods QueuedKernelTimer calls, plus ``kernel``."""
 
-    def __init__(self, clock, cost_ms, vllm_config=None, speculator=None):
-        self.clock, self.cost_ms = clock, cost_ms
+    CYCLES_PER_MS = 1_000_000
+
+    def __init__(self, clock, launch_ms=0.005):
+        self.clock, self.launch_ms = clock, launch_ms
+        self.free_at_ms = 0.0  # when the GPU finishes what is queued
+
+    def kernel(self, gpu_ms, launch_ms=None):
+        start = max(self.clock.now * 1e3, self.free_at_ms)
+        self.free_at_ms = start + gpu_ms
+        self.clock.now += (self.launch_ms if launch_ms is None else launch_ms) / 1e3
+        return self.free_at_ms
+
+    def spin(self, cycles):
+        self.kernel(cycles / self.CYCLES_PER_MS)
+
+    def event(self):
+        stream = self
+
+        class Event:
+            at_ms = None
+
+            def record(self):
+                self.at_ms = stream.kernel(0.0)
+
+            def elapsed_time(self, other):
+                return other.at_ms - self.at_ms
+
+            def synchronize(self):
+                stream.clock.now = max(stream.clock.now, self.at_ms / 1e3)
+
+        return Event()
+
+    def synchronize(self):
+        self.clock.now = max(self.clock.now, self.free_at_ms / 1e3)
+
+
+class FakeRunner:
+    """The V2 runner's surface the measurement uses: a dummy run of ``kernels``
+    kernels costing ``cost_ms(n)`` GPU ms in all, whose launches cost the host
+    ``host_ms`` in all (an eager forward: host-bound when host_ms > cost_ms(n)), and
+    the speculator attribute. ``waits_for_gpu``: the run synchronises half-way."""
+
+    def __init__(self, stream, cost_ms, vllm_config=None, speculator=None, host_ms=1.0,
+                 kernels=10, waits_for_gpu=False):
+        self.stream, self.cost_ms = stream, cost_ms
         self.speculator = speculator
         self.vllm_config = vllm_config
+        self.host_ms, self.kernels, self.waits_for_gpu = host_ms, kernels, waits_for_gpu
         self.runs = []
 
     def _dummy_run(self, n, skip_attn=False, is_profile=False):
         assert skip_attn and is_profile, "the measurement uses the profiling path"
         assert self.speculator is None, "the drafter is detached while measuring"
         self.runs.append(n)
-        self.clock.now += self.cost_ms(n) / 1e3
+        for k in range(self.kernels):
+            if self.waits_for_gpu and k == self.kernels // 2:
+                self.stream.synchronize()
+            self.stream.kernel(self.cost_ms(n) / self.kernels, self.host_ms / self.kernels)
+
+
+def _timer(stream):
+    return QueuedKernelTimer(stream)
+
+
+def _stream(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    return SimulatedStream(clock)
+
+
+def test_the_timer_times_the_kernels_not_the_host_that_launches_them(monkeypatch):
+    stream = _stream(monkeypatch)
+    timer = _timer(stream)
+    # An 8B-like eager forward: the host needs 15 ms to launch what the GPU runs in 5.
+    runner = FakeRunner(stream, lambda n: 5.0, host_ms=15.0, kernels=500)
+    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(5.0)
+    # A host slower than the first spin (20 ms): the spin grows and the timing repeats.
+    runner = FakeRunner(stream, lambda n: 2.0, host_ms=45.0, kernels=100)
+    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(2.0)
+    assert len(runner.runs) == 2
+    # GPU-bound (the kernels outlast their launches): the kernels' time still.
+    runner = FakeRunner(stream, lambda n: 40.0, host_ms=3.0)
+    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(40.0)
+
+
+def test_the_timer_refuses_a_forward_that_waits_for_the_gpu(monkeypatch):
+    stream = _stream(monkeypatch)
+    runner = FakeRunner(stream, lambda n: 5.0, host_ms=2.0, waits_for_gpu=True)
+    with pytest.raises(QueueingFailed, match="host sync"):
+        _timer(stream)(lambda: runner._dummy_run(1, True, True))
+    assert len(runner.runs) == cost_model.SPIN_ATTEMPTS
 
 
 def test_the_worker_times_each_count_and_puts_the_drafter_back(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    stream = _stream(monkeypatch)
     drafter = object()
-    runner = FakeRunner(clock, lambda n: 2.0 + n / 100, speculator=drafter)
-    times = measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1, 100], iters=3)
+    runner = FakeRunner(stream, lambda n: 2.0 + n / 100, speculator=drafter, host_ms=8.0)
+    times = measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1, 100],
+                                      iters=3, timer=_timer(stream))
     assert times == pytest.approx({1: 2.01, 100: 3.0})
     assert runner.runs == [1, 100] + [1] * 3 + [100] * 3  # a warm-up each, then the timed runs
     assert runner.speculator is drafter
@@ -86,10 +172,21 @@ def test_the_worker_puts_the_drafter_back_after_a_failure(monkeypatch):
     def boom(n):
         raise RuntimeError("out of memory")
 
-    runner = FakeRunner(FakeClock(), boom, speculator=drafter)
+    stream = _stream(monkeypatch)
+    runner = FakeRunner(stream, boom, speculator=drafter)
     with pytest.raises(RuntimeError, match="out of memory"):
-        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1])
+        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1],
+                                  timer=_timer(stream))
     assert runner.speculator is drafter
+
+
+def test_the_worker_needs_a_cuda_gpu_for_its_default_timer(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    runner = FakeRunner(_stream(monkeypatch), lambda n: 1.0)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1])
 
 
 class FakeSpeculator:
@@ -125,19 +222,26 @@ class FakeEngineCore:
         return [method(w, *args, **(kwargs or {})) for w in self.workers]
 
 
-def _worker(clock, cost_ms):
+def _worker(stream, cost_ms, host_ms=1.0):
     # Each worker its own configuration object, as in separate processes.
-    runner = FakeRunner(clock, cost_ms, vllm_config=_vllm_config(), speculator=FakeSpeculator())
+    runner = FakeRunner(stream, cost_ms, vllm_config=_vllm_config(), speculator=FakeSpeculator(),
+                        host_ms=host_ms)
     return types.SimpleNamespace(model_runner=runner)
+
+
+def _gpu(monkeypatch):
+    """The simulated stream in place of the CUDA one the workers' timers open."""
+    stream = _stream(monkeypatch)
+    monkeypatch.setattr(cost_model, "CudaStream", lambda: stream)
+    return stream
 
 
 @pytest.mark.parametrize("first_disabled", [None, 16])
 def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_disabled):
-    clock = FakeClock()
-    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    stream = _gpu(monkeypatch)
     # Rank 0: flat to 128 tokens; rank 1 (say, a slower link) would say 64: rank 0 decides.
-    rank0 = _worker(clock, lambda n: 10.0 if n <= 128 else 10.0 + n / 20)
-    rank1 = _worker(clock, lambda n: 10.0 if n <= 64 else 10.0 + n / 10)
+    rank0 = _worker(stream, lambda n: 10.0 if n <= 128 else 10.0 + n / 20)
+    rank1 = _worker(stream, lambda n: 10.0 if n <= 64 else 10.0 + n / 10)
     core = FakeEngineCore([rank0, rank1])
     cfg = _vllm_config(first_disabled=first_disabled)
     assert measure_tokens_per_step(core, cfg) == 128
@@ -153,19 +257,17 @@ def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_d
 
 
 def test_a_flat_curve_takes_the_largest_graph_and_eager_the_whole_grid(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
-    core = FakeEngineCore([_worker(clock, lambda n: 5.0)])
+    stream = _gpu(monkeypatch)
+    core = FakeEngineCore([_worker(stream, lambda n: 5.0)])
     assert measure_tokens_per_step(core, _vllm_config()) == 512
-    core = FakeEngineCore([_worker(clock, lambda n: 5.0)])
+    core = FakeEngineCore([_worker(stream, lambda n: 5.0)])
     # Without graphs: up to max_num_seqs x (budget + 1) capped by the token budget.
     assert measure_tokens_per_step(core, _vllm_config(enforce_eager=True)) == 8192
 
 
 def test_a_target_whose_cost_grows_at_once_still_verifies_two_tokens(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
-    core = FakeEngineCore([_worker(clock, lambda n: float(n))])
+    stream = _gpu(monkeypatch)
+    core = FakeEngineCore([_worker(stream, lambda n: float(n))])
     cfg = _vllm_config()
     assert measure_tokens_per_step(core, cfg) == 2
     assert cfg.speculative_config.num_speculative_tokens_per_batch_size == budget_schedule(2, 64)
@@ -180,7 +282,7 @@ def test_engines_without_auto_are_left_alone():
 
 
 def test_apply_reaches_a_speculator_without_the_refresh_hook():
-    runner = FakeRunner(FakeClock(), lambda n: 1.0, vllm_config=_vllm_config(), speculator=None)
+    runner = FakeRunner(None, lambda n: 1.0, vllm_config=_vllm_config(), speculator=None)
     apply_budget_schedule(types.SimpleNamespace(model_runner=runner), [(1, OPEN_END, 8)])
     assert runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size == [
         (1, OPEN_END, 8)]
@@ -189,11 +291,10 @@ def test_apply_reaches_a_speculator_without_the_refresh_hook():
 def test_the_measurement_is_written_where_the_environment_says(monkeypatch, tmp_path):
     import json
 
-    clock = FakeClock()
-    monkeypatch.setattr(cost_model.time, "perf_counter", clock)
+    stream = _gpu(monkeypatch)
     report = tmp_path / "cost.json"
     monkeypatch.setenv(cost_model.REPORT_ENV, str(report))
-    core = FakeEngineCore([_worker(clock, lambda n: 10.0 if n <= 64 else 20.0)])
+    core = FakeEngineCore([_worker(stream, lambda n: 10.0 if n <= 64 else 20.0)])
     assert measure_tokens_per_step(core, _vllm_config()) == 64
     doc = json.loads(report.read_text())
     assert doc["tokens_per_step"] == 64 and doc["max_slowdown"] == 1.15
@@ -205,6 +306,31 @@ def test_a_failed_measurement_stops_the_start_naming_the_way_out(monkeypatch):
     def boom(n):
         raise RuntimeError("CUDA out of memory")
 
-    core = FakeEngineCore([_worker(FakeClock(), boom)])
+    core = FakeEngineCore([_worker(_gpu(monkeypatch), boom)])
     with pytest.raises(RuntimeError, match='"auto".*CUDA out of memory.*set ddtree_tokens_per_step'):
         measure_tokens_per_step(core, _vllm_config())
+
+
+def test_a_host_bound_eager_forward_does_not_hide_the_knee(monkeypatch):
+    # Session 9's 8B start: launching the eager forward took the host 12-18 ms at every
+    # count (noisily), its kernels 5 ms up to 128 tokens and more beyond. Wall times
+    # chose 2 tokens; the kernels' times choose 128.
+    stream = _gpu(monkeypatch)
+    host = iter([12.0, 18.0, 13.0, 17.0, 14.0, 16.0] * 100)
+    worker = _worker(stream, lambda n: 5.0 if n <= 128 else 5.0 + n / 50)
+    runner = worker.model_runner
+    real_run = runner._dummy_run
+
+    def noisy_host_run(n, skip_attn=False, is_profile=False):
+        runner.host_ms = next(host)
+        real_run(n, skip_attn, is_profile)
+
+    runner._dummy_run = noisy_host_run
+    assert measure_tokens_per_step(FakeEngineCore([worker]), _vllm_config()) == 128
+
+
+def test_a_forward_that_waits_for_the_gpu_stops_the_start_naming_the_way_out(monkeypatch):
+    worker = _worker(_gpu(monkeypatch), lambda n: 5.0)
+    worker.model_runner.waits_for_gpu = True
+    with pytest.raises(RuntimeError, match='"auto".*host sync.*set ddtree_tokens_per_step'):
+        measure_tokens_per_step(FakeEngineCore([worker]), _vllm_config())
