@@ -8,11 +8,13 @@ model, less on a slower GPU), so a fixed number is right for one model on one GP
 only. With ``"auto"`` the engine measures it instead:
 
 1. After vLLM's memory profiling and before the KV cache and CUDA graphs exist, the
-   engine core asks every worker (:func:`measure_target_forward_ms`, one RPC) to time
-   the target's forward over a grid of token counts (powers of two up to what a step
-   can verify, never past the largest CUDA graph), through the runner's own dummy run
-   without attention (the profiling path; the drafter is left out: its cost does not
-   depend on the tree budget).
+   engine core asks every worker to time the target's forward over a grid of token
+   counts (powers of two up to what a step can verify, never past the largest CUDA
+   graph), through the runner's own dummy run without attention (the profiling path;
+   the drafter is left out: its cost does not depend on the tree budget). Two RPCs:
+   :func:`forward_queueing_ms` (how long each host needs to queue a forward) and
+   :func:`measure_target_forward_ms` (the timing, behind a spin every rank gets the
+   same length of).
 2. Rank 0's curve gives ``T`` (:func:`vllm_ddtree.budget.knee_tokens`, the rule
    ``bench/run.py --suite cost8b`` suggests a target by): the largest count whose forward
    costs at most :data:`MAX_SLOWDOWN` times the one-token forward (every count below
@@ -29,10 +31,14 @@ at every token count, noisily, while the same forward replayed from a CUDA graph
 2 tokens per step. What a step pays after capture is the forward's kernels run back to
 back, so that is what is timed (:class:`QueuedKernelTimer`): a spin kernel holds the
 GPU while the host queues the whole forward behind it, and CUDA events time the
-kernels from the end of the spin to the end of the forward. A measurement where the
+kernels from the end of the spin to the end of the forward. The spin is 2.5x the
+slowest host's queueing time, the same on every rank (with tensor parallelism a
+rank's all-reduce waits for the others, so unequal spins would time the difference),
+and every rank runs the same forwards whatever it measures (a retry on one rank
+would pair its collectives with another's next forward and hang). A timing where a
 host did not finish queueing before the spin ended (a forward that synchronises with
-the host, or more launches than the GPU's queue holds) is retried with a longer spin
-and, failing that, stops the start with an error naming the way out (a number for
+the host, or more launches than the GPU's queue holds) marks its count late; a late
+count on any rank stops the start with an error naming the way out (a number for
 ``ddtree_tokens_per_step``). Data parallelism is refused with ``"auto"`` (each engine
 core would measure its own schedule).
 """
@@ -62,9 +68,10 @@ MEASURE_ITERS = 5
 # A timing counts only if the host queued the whole forward within this share of the
 # spin (the rest is slack for the launches between the spin and the forward).
 MAX_QUEUEING_SHARE = 0.8
-# The first spin, and how often a spin too short for the host is lengthened.
-FIRST_SPIN_MS = 20.0
-SPIN_ATTEMPTS = 4
+# The spin, as a multiple of the slowest host time any rank needed to queue a forward,
+# plus SPIN_SLACK_MS.
+SPIN_PER_HOST_MS = 2.5
+SPIN_SLACK_MS = 2.0
 # A spin kernel's clock rate is calibrated with this many cycles (about 1 ms on an H200).
 CALIBRATION_CYCLES = 2_000_000
 # Where the engine core also writes the measurement as JSON (curve, token target,
@@ -125,13 +132,9 @@ def largest_cuda_graph_tokens(vllm_config: Any) -> int | None:
     return getattr(compilation, "max_cudagraph_capture_size", None) or None
 
 
-class QueueingFailed(RuntimeError):
-    """The host could not queue a whole forward ahead of the GPU."""
-
-
 class CudaStream:
     """The CUDA calls :class:`QueuedKernelTimer` makes, on torch's current stream (a
-    test stands in a simulated GPU with the same four methods)."""
+    test stands in a simulated GPU with the same three methods)."""
 
     def __init__(self) -> None:
         import torch
@@ -155,85 +158,103 @@ class QueuedKernelTimer:
     replays them, however slowly the host launches them.
 
     Each timing: synchronise; record event A; a spin kernel of ``spin_ms``; event B;
-    call the function (the host only queues its kernels behind the spin); event C.
-    B..C is the kernels' time if the host finished queueing before the spin ended,
+    call the function once (the host only queues its kernels behind the spin); event
+    C. B..C is the kernels' time if the host finished queueing before the spin ended,
     which holds when the host's queueing time is under :data:`MAX_QUEUEING_SHARE` of
-    A..B (the spin as the GPU ran it). Otherwise the spin is lengthened to cover the
-    host and the timing repeated, :data:`SPIN_ATTEMPTS` times at most; a function that
-    waits for the GPU never fits (its host time grows with the spin) and raises
-    :class:`QueueingFailed`.
+    A..B (the spin as the GPU ran it); otherwise the timing is *late* (a function that
+    waits for the GPU always is: its host time includes the spin).
     """
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, spin_ms: float, stream: Any = None) -> None:
+        if not spin_ms > 0:
+            raise ValueError(f"spin_ms must be positive, got {spin_ms}")
         self.stream = stream if stream is not None else CudaStream()
-        self.spin_ms = FIRST_SPIN_MS
         self.cycles_per_ms = self._calibrate()
-
-    def _spin_ms_elapsed(self, cycles: int) -> float:
-        before, after = self.stream.event(), self.stream.event()
-        self.stream.synchronize()
-        before.record()
-        self.stream.spin(cycles)
-        after.record()
-        after.synchronize()
-        return before.elapsed_time(after)
+        self.spin_cycles = max(1, int(spin_ms * self.cycles_per_ms))
 
     def _calibrate(self) -> float:
         # The fastest of three: launch latency can only lengthen a spin as timed.
-        elapsed = min(self._spin_ms_elapsed(CALIBRATION_CYCLES) for _ in range(3))
-        if not elapsed > 0:
-            raise QueueingFailed(f"a spin of {CALIBRATION_CYCLES} cycles timed {elapsed} ms")
-        return CALIBRATION_CYCLES / elapsed
-
-    def __call__(self, fn: Any) -> float:
-        host_ms = spun_ms = 0.0
-        for _ in range(SPIN_ATTEMPTS):
-            start, queued, end = self.stream.event(), self.stream.event(), self.stream.event()
+        elapsed = []
+        for _ in range(3):
+            before, after = self.stream.event(), self.stream.event()
             self.stream.synchronize()
-            start.record()
-            self.stream.spin(max(1, int(self.spin_ms * self.cycles_per_ms)))
-            queued.record()
-            t0 = time.perf_counter()
-            fn()
-            host_ms = (time.perf_counter() - t0) * 1e3
-            end.record()
-            end.synchronize()
-            spun_ms = start.elapsed_time(queued)
-            if host_ms <= MAX_QUEUEING_SHARE * spun_ms:
-                # Keep the spin at about twice what this host needed.
-                self.spin_ms = max(1.0, min(self.spin_ms, 2.0 * host_ms))
-                return queued.elapsed_time(end)
-            self.spin_ms = max(2.0 * self.spin_ms, 2.5 * host_ms)
-        raise QueueingFailed(
-            f"the host needed {host_ms:.1f} ms to queue the forward behind a "
-            f"{spun_ms:.1f} ms spin, {SPIN_ATTEMPTS} times: the forward waits for the GPU "
-            "(a host sync) or has more launches than the GPU's queue holds")
+            before.record()
+            self.stream.spin(CALIBRATION_CYCLES)
+            after.record()
+            after.synchronize()
+            elapsed.append(before.elapsed_time(after))
+        if not min(elapsed) > 0:
+            raise RuntimeError(f"a spin of {CALIBRATION_CYCLES} cycles timed {min(elapsed)} ms")
+        return CALIBRATION_CYCLES / min(elapsed)
+
+    def __call__(self, fn: Any) -> tuple[float, bool]:
+        """(the kernels' ms, whether the host queued them in time)."""
+        start, queued, end = self.stream.event(), self.stream.event(), self.stream.event()
+        self.stream.synchronize()
+        start.record()
+        self.stream.spin(self.spin_cycles)
+        queued.record()
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()
+        return queued.elapsed_time(end), host_ms <= MAX_QUEUEING_SHARE * start.elapsed_time(queued)
 
 
-def measure_target_forward_ms(worker: Any, token_counts: list[int],
-                              iters: int = MEASURE_ITERS,
-                              timer: Any = None) -> dict[int, float]:
-    """Worker side (an RPC; ``worker`` is vLLM's worker or its wrapper): the median
-    GPU time, in ms, of the target's forward at each token count with its kernels run
-    back to back (:class:`QueuedKernelTimer`, or ``timer``), through the V2 runner's
-    profiling dummy run (no attention, no KV cache yet). The drafter is detached for
-    the measurement and put back afterwards."""
-    runner = worker.model_runner
-    speculator = runner.speculator
-    runner.speculator = None
-    times: dict[int, float] = {}
-    try:
-        for n in token_counts:  # warm-up: first use of a shape may compile
-            runner._dummy_run(n, skip_attn=True, is_profile=True)
-        timer = timer if timer is not None else QueuedKernelTimer()
+class _DrafterDetached:
+    """The runner without its drafter for the measurement, put back afterwards."""
+
+    def __init__(self, worker: Any) -> None:
+        self.runner = worker.model_runner
+
+    def __enter__(self) -> Any:
+        self.speculator, self.runner.speculator = self.runner.speculator, None
+        return self.runner
+
+    def __exit__(self, *exc: Any) -> None:
+        self.runner.speculator = self.speculator
+
+
+def _forward(runner: Any, n: int) -> None:
+    runner._dummy_run(n, skip_attn=True, is_profile=True)
+
+
+def forward_queueing_ms(worker: Any, token_counts: list[int]) -> dict[int, float]:
+    """Worker side (the first RPC): how long, in ms, this host needs to queue the
+    target's forward at each token count (the second of two warm-up passes; the
+    first may compile). The engine core sizes the timing's spin from every rank's
+    answer."""
+    with _DrafterDetached(worker) as runner:
         for n in token_counts:
-            def forward(n: int = n) -> None:
-                runner._dummy_run(n, skip_attn=True, is_profile=True)
+            _forward(runner, n)
+        host: dict[int, float] = {}
+        for n in token_counts:
+            t0 = time.perf_counter()
+            _forward(runner, n)
+            host[n] = (time.perf_counter() - t0) * 1e3
+    return host
 
-            times[n] = statistics.median(timer(forward) for _ in range(iters))
-    finally:
-        runner.speculator = speculator
-    return times
+
+def measure_target_forward_ms(worker: Any, token_counts: list[int], spin_ms: float,
+                              iters: int = MEASURE_ITERS,
+                              timer: Any = None) -> dict[str, Any]:
+    """Worker side (the second RPC; ``worker`` is vLLM's worker or its wrapper): the
+    median GPU time, in ms, of the target's forward at each token count, its kernels
+    run back to back behind a ``spin_ms`` spin (:class:`QueuedKernelTimer`, or
+    ``timer``), through the V2 runner's profiling dummy run (no attention, no KV cache
+    yet), and the counts where the host was late. Exactly ``iters`` forwards a count
+    on every rank, whatever is measured. The drafter is detached meanwhile."""
+    with _DrafterDetached(worker) as runner:
+        timer = timer if timer is not None else QueuedKernelTimer(spin_ms)
+        forward_ms: dict[int, float] = {}
+        late: list[int] = []
+        for n in token_counts:
+            timings = [timer(lambda: _forward(runner, n)) for _ in range(iters)]
+            forward_ms[n] = statistics.median(ms for ms, _ in timings)
+            if not all(on_time for _, on_time in timings):
+                late.append(n)
+    return {"forward_ms": forward_ms, "late": late}
 
 
 def apply_budget_schedule(worker: Any, schedule: list[tuple[int, int, int]]) -> None:
@@ -258,8 +279,17 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     counts = measurement_token_counts(sched.max_num_batched_tokens, sched.max_num_seqs, budget,
                                       largest_cuda_graph_tokens(vllm_config))
     try:
-        curves = engine_core.collective_rpc(measure_target_forward_ms, args=(counts,))
-        forward_ms = curves[0]  # rank 0's; every rank must use the same schedule
+        host = engine_core.collective_rpc(forward_queueing_ms, args=(counts,))
+        spin_ms = SPIN_PER_HOST_MS * max(max(h.values()) for h in host) + SPIN_SLACK_MS
+        results = engine_core.collective_rpc(measure_target_forward_ms, args=(counts, spin_ms))
+        forward_ms = results[0]["forward_ms"]  # rank 0's; every rank uses one schedule
+        # Any rank's: a late rank also delays the others' collectives.
+        late = sorted(set().union(*(r["late"] for r in results)))
+        if late:
+            raise RuntimeError(
+                f"the host did not queue the forward at {late} tokens within "
+                f"a {spin_ms:.1f} ms spin, so the GPU time cannot be told from the host's "
+                "(a host sync in the forward, or more launches than the GPU's queue holds)")
         tokens = max(2, knee_tokens(list(forward_ms.items()), MAX_SLOWDOWN))
     except Exception as exc:
         raise RuntimeError(
@@ -273,6 +303,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     engine_core.collective_rpc(apply_budget_schedule, args=(schedule,))
     report = {"forward_ms": {str(n): round(t, 4) for n, t in sorted(forward_ms.items())},
               "timing": "GPU time of the forward's kernels queued back to back",
+              "spin_ms": round(spin_ms, 3),
               "max_slowdown": MAX_SLOWDOWN, "tokens_per_step": tokens,
               "budget_schedule": [list(r) for r in schedule]}
     path = os.environ.get(REPORT_ENV)
@@ -280,8 +311,8 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
         with open(path, "w") as f:
             json.dump(report, f)
     logger.info(
-        "DDTree cost model: target forward by tokens (GPU ms, kernels back to back) %s; %d tokens per step "
-        "(forward <= %.2fx the %d-token one); budget by batch size %s",
+        "DDTree cost model: target forward by tokens (GPU ms, kernels back to back) %s; "
+        "%d tokens per step (forward <= %.2fx the %d-token one); budget by batch size %s",
         {n: round(t, 3) for n, t in sorted(forward_ms.items())}, tokens, MAX_SLOWDOWN,
         min(forward_ms), schedule)
     return tokens

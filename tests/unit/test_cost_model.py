@@ -14,8 +14,8 @@ from vllm_ddtree import cost_model
 from vllm_ddtree.budget import OPEN_END, batch_budget_schedule, budget_schedule
 from vllm_ddtree.cost_model import (
     QueuedKernelTimer,
-    QueueingFailed,
     apply_budget_schedule,
+    forward_queueing_ms,
     largest_cuda_graph_tokens,
     measure_target_forward_ms,
     measure_tokens_per_step,
@@ -110,6 +110,7 @@ class FakeRunner:
         self.speculator = speculator
         self.vllm_config = vllm_config
         self.host_ms, self.kernels, self.waits_for_gpu = host_ms, kernels, waits_for_gpu
+        self.host_ms_by_count = {}
         self.runs = []
 
     def _dummy_run(self, n, skip_attn=False, is_profile=False):
@@ -119,11 +120,8 @@ class FakeRunner:
         for k in range(self.kernels):
             if self.waits_for_gpu and k == self.kernels // 2:
                 self.stream.synchronize()
-            self.stream.kernel(self.cost_ms(n) / self.kernels, self.host_ms / self.kernels)
-
-
-def _timer(stream):
-    return QueuedKernelTimer(stream)
+            host_ms = self.host_ms_by_count.get(n, self.host_ms)
+            self.stream.kernel(self.cost_ms(n) / self.kernels, host_ms / self.kernels)
 
 
 def _stream(monkeypatch):
@@ -132,38 +130,63 @@ def _stream(monkeypatch):
     return SimulatedStream(clock)
 
 
+def _run(runner, n=1):
+    return lambda: runner._dummy_run(n, True, True)
+
+
 def test_the_timer_times_the_kernels_not_the_host_that_launches_them(monkeypatch):
     stream = _stream(monkeypatch)
-    timer = _timer(stream)
+    timer = QueuedKernelTimer(40.0, stream)
     # An 8B-like eager forward: the host needs 15 ms to launch what the GPU runs in 5.
     runner = FakeRunner(stream, lambda n: 5.0, host_ms=15.0, kernels=500)
-    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(5.0)
-    # A host slower than the first spin (20 ms): the spin grows and the timing repeats.
-    runner = FakeRunner(stream, lambda n: 2.0, host_ms=45.0, kernels=100)
-    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(2.0)
-    assert len(runner.runs) == 2
+    assert timer(_run(runner)) == (pytest.approx(5.0), True)
     # GPU-bound (the kernels outlast their launches): the kernels' time still.
-    runner = FakeRunner(stream, lambda n: 40.0, host_ms=3.0)
-    assert timer(lambda: runner._dummy_run(1, True, True)) == pytest.approx(40.0)
+    runner = FakeRunner(stream, lambda n: 60.0, host_ms=3.0)
+    assert timer(_run(runner)) == (pytest.approx(60.0), True)
 
 
-def test_the_timer_refuses_a_forward_that_waits_for_the_gpu(monkeypatch):
+def test_a_host_slower_than_the_spin_is_late(monkeypatch):
     stream = _stream(monkeypatch)
+    runner = FakeRunner(stream, lambda n: 2.0, host_ms=45.0, kernels=100)
+    ms, on_time = QueuedKernelTimer(40.0, stream)(_run(runner))
+    assert not on_time and ms > 2.0  # the GPU waited for the host
+    # A forward that waits for the GPU is late whatever the spin.
     runner = FakeRunner(stream, lambda n: 5.0, host_ms=2.0, waits_for_gpu=True)
-    with pytest.raises(QueueingFailed, match="host sync"):
-        _timer(stream)(lambda: runner._dummy_run(1, True, True))
-    assert len(runner.runs) == cost_model.SPIN_ATTEMPTS
+    for spin_ms in (10.0, 1000.0):
+        assert QueuedKernelTimer(spin_ms, stream)(_run(runner))[1] is False
+
+
+def test_the_worker_reports_its_queueing_time_and_puts_the_drafter_back(monkeypatch):
+    drafter = object()
+    runner = FakeRunner(_stream(monkeypatch), lambda n: 1.0, speculator=drafter,
+                        host_ms=7.0)
+    host = forward_queueing_ms(types.SimpleNamespace(model_runner=runner), [1, 64])
+    assert host == pytest.approx({1: 7.0, 64: 7.0})
+    assert runner.runs == [1, 64, 1, 64]  # a pass that may compile, then the timed one
+    assert runner.speculator is drafter
 
 
 def test_the_worker_times_each_count_and_puts_the_drafter_back(monkeypatch):
     stream = _stream(monkeypatch)
     drafter = object()
     runner = FakeRunner(stream, lambda n: 2.0 + n / 100, speculator=drafter, host_ms=8.0)
-    times = measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1, 100],
-                                      iters=3, timer=_timer(stream))
-    assert times == pytest.approx({1: 2.01, 100: 3.0})
-    assert runner.runs == [1, 100] + [1] * 3 + [100] * 3  # a warm-up each, then the timed runs
+    result = measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1, 100],
+                                       20.0, iters=3, timer=QueuedKernelTimer(20.0, stream))
+    assert result == {"forward_ms": pytest.approx({1: 2.01, 100: 3.0}), "late": []}
+    assert runner.runs == [1] * 3 + [100] * 3
     assert runner.speculator is drafter
+
+
+def test_a_late_worker_runs_the_same_forwards_and_says_where_it_was_late(monkeypatch):
+    # Tensor parallelism: every rank must run as many forwards as the others (their
+    # collectives pair up), so lateness is reported, never retried.
+    stream = _stream(monkeypatch)
+    slow_at_64 = FakeRunner(stream, lambda n: 2.0, host_ms=8.0)
+    slow_at_64.host_ms_by_count = {64: 30.0}
+    result = measure_target_forward_ms(types.SimpleNamespace(model_runner=slow_at_64), [1, 64],
+                                       20.0, iters=2, timer=QueuedKernelTimer(20.0, stream))
+    assert result["late"] == [64]
+    assert slow_at_64.runs == [1, 1, 64, 64]
 
 
 def test_the_worker_puts_the_drafter_back_after_a_failure(monkeypatch):
@@ -175,8 +198,11 @@ def test_the_worker_puts_the_drafter_back_after_a_failure(monkeypatch):
     stream = _stream(monkeypatch)
     runner = FakeRunner(stream, boom, speculator=drafter)
     with pytest.raises(RuntimeError, match="out of memory"):
-        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1],
-                                  timer=_timer(stream))
+        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1], 20.0,
+                                  timer=QueuedKernelTimer(20.0, stream))
+    assert runner.speculator is drafter
+    with pytest.raises(RuntimeError, match="out of memory"):
+        forward_queueing_ms(types.SimpleNamespace(model_runner=runner), [1])
     assert runner.speculator is drafter
 
 
@@ -186,7 +212,7 @@ def test_the_worker_needs_a_cuda_gpu_for_its_default_timer(monkeypatch):
         pytest.skip("a CUDA GPU is present")
     runner = FakeRunner(_stream(monkeypatch), lambda n: 1.0)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1])
+        measure_target_forward_ms(types.SimpleNamespace(model_runner=runner), [1], 20.0)
 
 
 class FakeSpeculator:
@@ -246,7 +272,7 @@ def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_d
     cfg = _vllm_config(first_disabled=first_disabled)
     assert measure_tokens_per_step(core, cfg) == 128
     expected = batch_budget_schedule(128, 64, first_disabled)
-    assert core.rpcs == ["measure_target_forward_ms", "apply_budget_schedule"]
+    assert core.rpcs == ["forward_queueing_ms", "measure_target_forward_ms", "apply_budget_schedule"]
     assert cfg.speculative_config.num_speculative_tokens_per_batch_size == expected
     for w in (rank0, rank1):
         runner = w.model_runner
@@ -334,3 +360,27 @@ def test_a_forward_that_waits_for_the_gpu_stops_the_start_naming_the_way_out(mon
     worker.model_runner.waits_for_gpu = True
     with pytest.raises(RuntimeError, match='"auto".*host sync.*set ddtree_tokens_per_step'):
         measure_tokens_per_step(FakeEngineCore([worker]), _vllm_config())
+
+
+def test_every_rank_spins_as_long_as_the_slowest_host_needs(monkeypatch, tmp_path):
+    import json
+
+    stream = _gpu(monkeypatch)
+    report = tmp_path / "cost.json"
+    monkeypatch.setenv(cost_model.REPORT_ENV, str(report))
+    rank0 = _worker(stream, lambda n: 5.0, host_ms=4.0)
+    rank1 = _worker(stream, lambda n: 5.0, host_ms=6.0)
+    rank1.model_runner.host_ms_by_count = {512: 16.0}
+    assert measure_tokens_per_step(FakeEngineCore([rank0, rank1]), _vllm_config()) == 512
+    expected = cost_model.SPIN_PER_HOST_MS * 16.0 + cost_model.SPIN_SLACK_MS
+    assert json.loads(report.read_text())["spin_ms"] == pytest.approx(expected, abs=0.01)
+
+
+def test_a_late_rank_stops_the_start_after_every_rank_ran_the_same_forwards(monkeypatch):
+    stream = _gpu(monkeypatch)
+    rank0 = _worker(stream, lambda n: 5.0)
+    rank1 = _worker(stream, lambda n: 5.0)
+    rank1.model_runner.waits_for_gpu = True
+    with pytest.raises(RuntimeError, match=r"did not queue the forward at \[1, 2, 4"):
+        measure_tokens_per_step(FakeEngineCore([rank0, rank1]), _vllm_config())
+    assert rank0.model_runner.runs == rank1.model_runner.runs

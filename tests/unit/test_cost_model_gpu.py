@@ -1,7 +1,7 @@
 """GPU check of the start-up cost model's timer (vllm_ddtree.cost_model.QueuedKernelTimer):
 a host-bound chain of small kernels, timed behind a spin, costs what the same kernels
 cost replayed from a CUDA graph, not what the host needed to launch them; a function
-that waits for the GPU is refused.
+that waits for the GPU is late.
 
 Run on a GPU host: ``pytest -m gpu tests/unit/test_cost_model_gpu.py``.
 """
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from vllm_ddtree.cost_model import QueuedKernelTimer, QueueingFailed
+from vllm_ddtree.cost_model import QueuedKernelTimer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,17 +59,19 @@ def test_a_host_bound_chain_costs_its_graph_replay():
     w = torch.randn(1024, 1024, device="cuda") / 32
     graph_ms = _graph_replay_ms(_kernel_chain(x, w, 200, 0.0))
     slow_host = _kernel_chain(x, w, 200, 50e-6)  # ~10 ms of host for ~1 ms of kernels
-    timer = QueuedKernelTimer()
     t0 = time.perf_counter()
     slow_host()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
-    queued_ms = statistics.median(timer(slow_host) for _ in range(5))
+    timer = QueuedKernelTimer(2.5 * wall_ms + 2.0)
+    timings = [timer(slow_host) for _ in range(5)]
+    assert all(on_time for _, on_time in timings), timings
+    queued_ms = statistics.median(ms for ms, _ in timings)
     assert queued_ms < wall_ms / 2, (queued_ms, wall_ms)
     assert queued_ms == pytest.approx(graph_ms, rel=0.5, abs=0.2), (queued_ms, graph_ms)
 
 
-def test_a_function_that_waits_for_the_gpu_is_refused():
+def test_a_function_that_waits_for_the_gpu_is_late():
     x = torch.randn(64, 1024, device="cuda")
     w = torch.randn(1024, 1024, device="cuda") / 32
     chain = _kernel_chain(x, w, 20, 0.0)
@@ -78,5 +80,5 @@ def test_a_function_that_waits_for_the_gpu_is_refused():
         chain()
         torch.cuda.synchronize()
 
-    with pytest.raises(QueueingFailed, match="host sync"):
-        QueuedKernelTimer()(waits)
+    for spin_ms in (5.0, 200.0):
+        assert QueuedKernelTimer(spin_ms)(waits)[1] is False
