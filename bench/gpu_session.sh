@@ -40,7 +40,7 @@
 #                                      # FlashAttention (batch 4-64,
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
 #   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
-#                                      # from 16, each engine started twice (A B B A), T=0
+#                                      # from 32, each engine started twice (A B B A), T=0
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
@@ -262,11 +262,11 @@ case "$step" in
   rounds)
     # Engine-to-engine noise against the configurations' difference: every engine
     # started ROUNDS_N times in alternating order (A B, B A), T=0 (session 8 saw two
-    # engines of one configuration differ by up to 1.56x in a cell). The default
-    # DDTree drafts below 16 requests (batch 4: does a tree pay there?) and not from
-    # 16 on (batch 16, 64: does a drafting-off step cost what a plain one does?).
+    # engines of one configuration differ by up to 1.56x in a cell; session 9's rounds
+    # showed a DDTree gap at batch 16-64 beyond it). The default DDTree drafts below 32
+    # requests (session 9: trees beat drafting off at batch 4 and 16, not at 64).
     prepare
-    read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d16}"
+    read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d32}"
     read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
     fixture_bench rounds 560 --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
       --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 16 \
