@@ -42,7 +42,8 @@
 #   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
 #                                      # from 32, each engine started twice (A B B A), T=0
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
-#   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 4
+#   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
+#                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS)
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
 #   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
@@ -295,14 +296,22 @@ case "$step" in
       --batch-sizes 1 4 16 --repeats 2 --min-requests 16 --time-budget-s 540 --engine-estimate-s 110
     ;;
   gap-profile)
+    # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
+    # GAP_PROFILE_BATCH requests (session 9: a drafting-off step cost what a plain one
+    # did at batch 4 and 0.6-1 ms more at 16 and 64); every other config is compared
+    # with the first.
     prepare
     mkdir -p "$OUT/profile"
-    timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size 4 \
-      --configs no-spec ddtree-b64-t512-d4 --max-tokens 64 --out-dir "$OUT/profile" \
+    read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
+    timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
+      --configs "${pconfigs[@]}" --max-tokens 64 --out-dir "$OUT/profile" \
       > "$OUT/profile/profile-step.log" 2>&1
     echo "gap profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
-    python3 bench/compare_profiles.py "$OUT/profile/profile-no-spec-cprofile.txt" \
-      "$OUT/profile/profile-ddtree-b64-t512-d4-cprofile.txt" --top 25 | tee "$OUT/profile/compare.txt"
+    # Profile files name a config with "+" as "_" (bench/run.py file_stem).
+    for other in "${pconfigs[@]:1}"; do
+      python3 bench/compare_profiles.py "$OUT/profile/profile-${pconfigs[0]//+/_}-cprofile.txt" \
+        "$OUT/profile/profile-${other//+/_}-cprofile.txt" --top 25 | tee "$OUT/profile/compare-${other//+/_}.txt"
+    done
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
   profile)
