@@ -5,7 +5,13 @@ One table per (prompt set, temperature): output tokens/s (tau) of every configur
 by batch size (with ``--engine-rounds``, each engine's tokens/s in brackets), then
 DDTree's tokens/s divided by the better of the chain configurations in each cell and
 by no speculation's, and DDTree's verified tokens per target forward over all of the
-cell's steps (with drafting off at large batches most steps verify none).
+cell's steps (with drafting off at large batches most steps verify none). Where either
+side of a ratio ran several engines, the range of the ratio over every pair of
+engines follows in brackets.
+
+Several results of one code tree (the same ``code_digest``, e.g. successive device
+calls of one session) are read as one: a configuration measured in one file can be
+compared with one measured in another. A cell measured in two of them is refused.
 
     python bench/tables.py bench/results/bench-fixture-mp-t512.json \
         --ddtree ddtree-b64-t512 --chains dflash dflash-t512
@@ -43,6 +49,44 @@ def _fmt_cell(row: dict) -> str:
     return text
 
 
+def merge_results(docs: list[dict], names: list[str]) -> dict:
+    """One result document from several of the same code tree; ``names`` (the files)
+    label the errors."""
+    digests = {d.get("code_digest") for d in docs}
+    if len(digests) > 1:
+        raise ValueError(f"these results come from different code trees (code_digest "
+                         f"{sorted(map(str, digests))}); compare results of one tree only")
+    seen: dict[tuple, str] = {}
+    results = []
+    for doc, name in zip(docs, names):
+        for row in doc.get("results", []):
+            if "output_tokens_per_s" not in row:
+                continue
+            key = (row["config"], row["prompt_set"], float(row["temperature"]),
+                   int(row["batch_size"]))
+            if key in seen:
+                raise ValueError(f"{key[0]} at {key[1]}, T={key[2]:g}, batch {key[3]} is in "
+                                 f"both {seen[key]} and {name}")
+            seen[key] = name
+            results.append(row)
+    return {"code_digest": digests.pop(), "results": results}
+
+
+def _engine_values(row: dict) -> list[float]:
+    return row.get("output_tokens_per_s_engines") or [row["output_tokens_per_s"]]
+
+
+def _ratio(tree: dict, other: dict) -> str:
+    """tree / other tokens/s, and with several engines on either side the range of the
+    ratio over every pair of engines."""
+    text = f"{tree['output_tokens_per_s'] / other['output_tokens_per_s']:.2f}"
+    trees, others = _engine_values(tree), _engine_values(other)
+    if len(trees) > 1 or len(others) > 1:
+        pairs = [t / o for t in trees for o in others]
+        text += f" [{min(pairs):.2f}-{max(pairs):.2f}]"
+    return text
+
+
 def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "no-spec") -> str:
     """The tables for one result document (``bench/run.py --out``). Cells a run did not
     measure are shown as "-" and left out of the ratios."""
@@ -68,13 +112,12 @@ def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "
             vs_chain, vs_base, verified = [], [], []
             for b in batches:
                 tree = cells.get((ddtree, pset, temp, b))
-                chain_tps = [cells[(c, pset, temp, b)]["output_tokens_per_s"] for c in chains
-                             if (c, pset, temp, b) in cells]
+                best_chain = max((cells[(c, pset, temp, b)] for c in chains
+                                  if (c, pset, temp, b) in cells),
+                                 key=lambda r: r["output_tokens_per_s"], default=None)
                 base = cells.get((baseline, pset, temp, b))
-                vs_chain.append(f"{tree['output_tokens_per_s'] / max(chain_tps):.2f}"
-                                if tree and chain_tps else "-")
-                vs_base.append(f"{tree['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}"
-                               if tree and base else "-")
+                vs_chain.append(_ratio(tree, best_chain) if tree and best_chain else "-")
+                vs_base.append(_ratio(tree, base) if tree and base else "-")
                 vt = _verified_all_steps(tree) if tree else None
                 verified.append(f"{vt:.0f}" if vt else "-")
             label = "better chain" if len(chains) > 1 else "chain"
@@ -89,16 +132,20 @@ def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("result", help="a bench/run.py result JSON")
+    ap.add_argument("results", nargs="+",
+                    help="bench/run.py result JSONs (several: of one code tree, read as one)")
     ap.add_argument("--ddtree", required=True, help="the DDTree configuration to compare")
     ap.add_argument("--chains", nargs="+", default=["dflash"],
                     help="chain configurations; ratios use the best of them per cell")
     ap.add_argument("--baseline", default="no-spec")
     args = ap.parse_args(argv)
-    opener = gzip.open if args.result.endswith(".gz") else open
-    with opener(args.result, "rt") as f:
-        doc = json.load(f)
+    docs = []
+    for path in args.results:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            docs.append(json.load(f))
     try:
+        doc = docs[0] if len(docs) == 1 else merge_results(docs, args.results)
         print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))
     except ValueError as exc:
         print(f"tables: {exc}", file=sys.stderr)

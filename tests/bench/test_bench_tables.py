@@ -69,3 +69,40 @@ def test_unknown_config_is_refused(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     assert main([str(path), "--ddtree", "ddtree"]) == 0
     assert "| DDTree / chain |" in capsys.readouterr().out
+
+
+def test_ratios_against_several_engines_show_their_range():
+    base = dict(_cell("no-spec", 16, 7000.0), output_tokens_per_s_engines=[6800.0, 7400.0])
+    tree = dict(_cell("ddtree", 16, 5200.0, 2.1), output_tokens_per_s_engines=[4900.0, 5500.0])
+    lines = markdown_tables({"results": [base, tree, _cell("dflash", 16, 4300.0, 1.4)]},
+                            "ddtree", ["dflash"]).splitlines()
+    # 5200/7000; pairs 4900/7400 .. 5500/6800
+    assert "| DDTree / no-spec | 0.74 [0.66-0.81] |" in lines
+    assert "| DDTree / chain | 1.21 [1.14-1.28] |" in lines  # one chain engine, two trees
+
+
+def test_results_of_one_tree_are_read_as_one(tmp_path, capsys):
+    first = {"code_digest": "abc", "results": [_cell("no-spec", 4, 2000.0)]}
+    second = {"code_digest": "abc", "results": [_cell("dflash", 4, 1200.0, 1.4),
+                                                _cell("ddtree", 4, 1800.0, 2.0)]}
+    paths = []
+    for i, doc in enumerate((first, second)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert main([*map(str, paths), "--ddtree", "ddtree"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "| DDTree / no-spec | 0.90 |" in out and "| DDTree / chain | 1.50 |" in out
+
+
+def test_results_of_different_trees_or_twice_measured_cells_are_refused(tmp_path, capsys):
+    docs = {"a": {"code_digest": "abc", "results": [_cell("no-spec", 4, 2000.0),
+                                                    _cell("ddtree", 4, 1800.0, 2.0),
+                                                    _cell("dflash", 4, 1200.0, 1.4)]},
+            "b": {"code_digest": "def", "results": [_cell("no-spec", 16, 7000.0)]},
+            "c": {"code_digest": "abc", "results": [_cell("no-spec", 4, 2100.0)]}}
+    for name, doc in docs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--ddtree", "ddtree"]) == 2
+    assert "different code trees" in capsys.readouterr().err
+    assert main([str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--ddtree", "ddtree"]) == 2
+    assert "no-spec at humaneval, T=0, batch 4 is in both" in capsys.readouterr().err
