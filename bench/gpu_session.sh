@@ -41,6 +41,8 @@
 #                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
 #   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
 #                                      # from 32, each engine started twice (A B B A), T=0
+#   bash bench/gpu_session.sh steady   # constant concurrency (--cell-mode steady): no-spec, trees,
+#                                      # drafting off from 32, batch 4-64, T=0
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
 #                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS)
@@ -273,6 +275,19 @@ case "$step" in
       --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 16 \
       --time-budget-s 540 --engine-estimate-s 110
     ;;
+  steady)
+    # Constant concurrency (bench/run.py --cell-mode steady): BATCH requests in flight,
+    # refilled as each finishes, as a server at that concurrency sees it; in the
+    # default waves each wave ends with its slowest request (session 9: a DDTree wave
+    # at batch 16 ran 1.2x faster per token than a plain one, but its first tokens and
+    # its last request cost that back).
+    prepare
+    read -r -a sconfigs <<< "${STEADY_CONFIGS:-no-spec ddtree-b64-t512 ddtree-b64-t512-d32}"
+    read -r -a sbatches <<< "${STEADY_BATCH_SIZES:-4 16 64}"
+    fixture_bench steady 560 --cell-mode steady --configs "${sconfigs[@]}" \
+      --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats 2 --min-requests 64 \
+      --engine-rounds "${STEADY_ROUNDS:-1}" --time-budget-s 540 --engine-estimate-s 110
+    ;;
   flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
     # test against the dense reference (flashtests stops here), then engines beside
@@ -326,6 +341,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
 esac
 done

@@ -358,9 +358,16 @@ def cell_summary(
     wall_s: float,
     latencies: list[float],
     tpots: list[float],
+    ttfts: list[float] | None = None,
+    wave_edges: list[tuple[float, float]] | None = None,
 ) -> dict:
+    """A cell's figures. ``ttfts``: each request's engine-side time to first token
+    (queued to first token); ``wave_edges``: per wave, the seconds from calling
+    ``generate`` to the engine core queueing its first request, and from the engine's
+    last token to ``generate`` returning (where a wave's time outside the engine's
+    request lifetimes goes)."""
     n_tokens = sum(len(o) for o in outputs)
-    return {
+    summary = {
         "num_requests": len(outputs),
         "output_tokens": n_tokens,
         "wall_s": round(wall_s, 4),
@@ -369,6 +376,12 @@ def cell_summary(
         "latency_p50_s": _r(percentile(latencies, 50)),
         "latency_p99_s": _r(percentile(latencies, 99)),
     }
+    if ttfts:
+        summary["ttft_p50_s"] = _r(percentile(ttfts, 50))
+    if wave_edges:
+        summary["wave_start_gap_ms"] = _r(statistics.median(a for a, _ in wave_edges) * 1e3)
+        summary["wave_end_gap_ms"] = _r(statistics.median(b for _, b in wave_edges) * 1e3)
+    return summary
 
 
 def cost_model(results: list[dict], max_slowdown: float = 1.15) -> dict | None:
@@ -433,7 +446,8 @@ def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dic
 
 
 REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
-                   "latency_p50_s", "latency_p99_s")
+                   "latency_p50_s", "latency_p99_s", "ttft_p50_s", "wave_start_gap_ms",
+                   "wave_end_gap_ms")
 
 
 def spread(values: list[float]) -> float | None:
@@ -732,36 +746,117 @@ def _free(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
-             dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+class CellTimes:
+    """Per-request figures of a cell from vLLM's request metrics (engine-core stamps)."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.tpots: list[float] = []
+        self.ttfts: list[float] = []
+
+    def add(self, out, fallback_latency: float) -> tuple[float, float] | None:
+        """One finished request; returns its (queued, last token) stamps if it has them."""
+        m = getattr(out, "metrics", None)
+        q, f, last = (getattr(m, "queued_ts", 0.0), getattr(m, "first_token_ts", 0.0),
+                      getattr(m, "last_token_ts", 0.0)) if m is not None else (0, 0, 0)
+        n = len(out.outputs[0].token_ids)
+        self.latencies.append(last - q if q > 0 and last >= q else fallback_latency)
+        if last > f > 0 and n > 1:
+            self.tpots.append((last - f) / (n - 1))
+        if f >= q > 0:
+            self.ttfts.append(f - q)
+            return q, last
+        return None
+
+
+def _sampling_params(temperature: float, max_tokens: int, seed_index: int, dummy: bool):
     from vllm import SamplingParams
 
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                          seed=(1000 + seed_index) if temperature > 0 else None,
+                          detokenize=not dummy)
+
+
+def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
+             dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+    """Waves: ``batch`` requests at a time, one ``generate`` call each; a wave ends with
+    its slowest request."""
     before = spec_counters(llm.get_metrics())
     outputs: list[list[int]] = []
-    latencies: list[float] = []
-    tpots: list[float] = []
+    times = CellTimes()
+    wave_edges: list[tuple[float, float]] = []
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):
         wave = prompts[w:w + batch]
-        sps = [SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                              ignore_eos=True, seed=(1000 + w + i) if temperature > 0 else None,
-                              detokenize=not dummy)
-               for i in range(len(wave))]
-        tw = time.perf_counter()
+        sps = [_sampling_params(temperature, max_tokens, w + i, dummy) for i in range(len(wave))]
+        # The engine core stamps requests with time.monotonic(), one clock for every
+        # process of the machine: the wave's edges are comparable with its stamps.
+        tw, tw_mono = time.perf_counter(), time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in wave], sps, use_tqdm=False)
-        wave_s = time.perf_counter() - tw
+        wave_s, end_mono = time.perf_counter() - tw, time.monotonic()
+        stamps = []
         for o in outs:
-            toks = list(o.outputs[0].token_ids)
-            outputs.append(toks)
-            m = getattr(o, "metrics", None)
-            q, f, last = (getattr(m, "queued_ts", 0.0), getattr(m, "first_token_ts", 0.0),
-                          getattr(m, "last_token_ts", 0.0)) if m is not None else (0, 0, 0)
-            latencies.append(last - q if q > 0 and last >= q else wave_s)
-            if last > f > 0 and len(toks) > 1:
-                tpots.append((last - f) / (len(toks) - 1))
+            outputs.append(list(o.outputs[0].token_ids))
+            stamp = times.add(o, wave_s)
+            if stamp is not None:
+                stamps.append(stamp)
+        if stamps and len(stamps) == len(outs):
+            wave_edges.append((min(q for q, _ in stamps) - tw_mono,
+                               end_mono - max(last for _, last in stamps)))
     wall = time.perf_counter() - t0
     delta = spec_counters(llm.get_metrics()).minus(before)
-    return outputs, cell_summary(outputs, wall, latencies, tpots), delta
+    return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts,
+                                 wave_edges), delta
+
+
+def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: float,
+                    max_tokens: int, dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+    """Constant concurrency: ``batch`` requests in flight from the start, a new one
+    added as soon as one finishes (as a server with ``batch`` busy clients), all in
+    one engine loop; only the last ``batch`` requests drain. Outputs in prompt order."""
+    engine = llm.llm_engine
+    before = spec_counters(llm.get_metrics())
+    pending = list(range(len(prompts)))[::-1]
+    index_of: dict[str, int] = {}
+    finished: dict[int, object] = {}
+    cell = f"steady-{time.monotonic_ns()}"
+    times = CellTimes()
+
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        i = pending.pop()
+        given = f"{cell}-{i}"
+        # Outputs carry the id given (vLLM 0.26); add_request returns its internal one.
+        internal = engine.add_request(given, {"prompt_token_ids": prompts[i]},
+                                      _sampling_params(temperature, max_tokens, i, dummy))
+        index_of[given] = index_of[internal or given] = i
+        submitted += 1
+
+    t0 = time.perf_counter()
+    for _ in range(min(batch, len(prompts))):
+        submit()
+    in_flight = submitted
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not getattr(out, "finished", False):
+                continue
+            finished[index_of[out.request_id]] = out
+            times.add(out, time.perf_counter() - t0)
+            if pending:
+                submit()
+        in_flight = max(in_flight, submitted - len(finished))
+    wall = time.perf_counter() - t0
+    if len(finished) != len(prompts) or in_flight > batch:
+        raise RuntimeError(f"steady cell: {len(finished)} of {len(prompts)} requests finished, "
+                           f"up to {in_flight} in flight for a concurrency of {batch}")
+    outputs = [list(finished[i].outputs[0].token_ids) for i in range(len(prompts))]
+    delta = spec_counters(llm.get_metrics()).minus(before)
+    return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts), delta
+
+
+CELL_MODES = ("waves", "steady")
 
 
 class Recorder:
@@ -807,6 +902,7 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     # first use of a shape compiles kernel variants (vLLM's and ours) and
     # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls
     # as a few slow cells (e.g. DDTree batch 4 HumanEval T=0: 1.02 s vs 0.65 s).
+    cell_runner = run_cell_steady if args.cell_mode == "steady" else run_cell
     first = next(iter(prompt_sets.values()))
     for temp in sorted(set(suite.temperatures)):
         for batch in suite.batch_sizes:
@@ -815,7 +911,7 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
         for temp in suite.temperatures:
             for batch in suite.batch_sizes:
                 reqs = prompts[: requests_for(batch, suite.min_requests)]
-                runs = [run_cell(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
+                runs = [cell_runner(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
                         for _ in range(args.repeats)]
                 outs = runs[0][0]  # the repeats generate the same tokens
                 key = (set_name, batch, temp)
@@ -835,8 +931,8 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                 rec.save()
                 print(json.dumps({k: entry.get(k) for k in (
                     "config", "prompt_set", "batch_size", "temperature", "tau",
-                    "output_tokens_per_s", "time_per_output_token_ms", "greedy_match",
-                    "greedy_identical")} | ({"round": rnd} if args.engine_rounds > 1 else {})),
+                    "output_tokens_per_s", "time_per_output_token_ms", "ttft_p50_s",
+                    "greedy_match", "greedy_identical")} | ({"round": rnd} if args.engine_rounds > 1 else {})),
                     flush=True)
     eng["engine_s"] = round(time.time() - t_engine, 1)
     if profile and os.path.exists(profile):
@@ -862,6 +958,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-requests", type=int)
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure every cell this many times in a row (median + spread)")
+    ap.add_argument("--cell-mode", choices=CELL_MODES, default="waves",
+                    help="waves: BATCH requests per generate() call, each wave ending with "
+                         "its slowest request; steady: BATCH requests in flight, refilled as "
+                         "each finishes (a server at that concurrency)")
     ap.add_argument("--engine-rounds", type=int, default=1,
                     help="start every configuration's engine this many times, in "
                          "alternating order (A B, B A, ...); a cell's tokens/s is the median "
@@ -947,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
         engine_process=args.engine_process, batch_invariant=args.batch_invariant,
-        greedy_exact=greedy_exact(suite.dtype, args.eager),
+        cell_mode=args.cell_mode, greedy_exact=greedy_exact(suite.dtype, args.eager),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
     ))

@@ -128,6 +128,110 @@ def test_cell_summary():
     assert s["latency_p50_s"] == 1.5
 
 
+def test_a_cell_splits_each_wave_into_engine_time_and_its_edges(monkeypatch):
+    """run_cell against a fake LLM on a fake clock: TTFT from the engine's stamps, and
+    per wave the time before the engine queued the first request and after its last
+    token (medians over the waves)."""
+    import types
+
+    from bench import run
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(run.time, "monotonic", lambda: clock.now)
+
+    class FakeLLM:
+        def __init__(self):
+            self.waves = 0
+
+        def get_metrics(self):
+            return []
+
+        def generate(self, prompts, params, use_tqdm=False):
+            start_gap, end_gap = (0.004, 0.030) if self.waves == 0 else (0.002, 0.010)
+            self.waves += 1
+            outs = []
+            queued = clock.now + start_gap
+            for i, _ in enumerate(prompts):
+                q = queued + 0.001 * i
+                metrics = types.SimpleNamespace(queued_ts=q, first_token_ts=q + 0.02,
+                                                last_token_ts=q + 0.02 + 0.001 * 9)
+                outs.append(types.SimpleNamespace(
+                    outputs=[types.SimpleNamespace(token_ids=list(range(10)))], metrics=metrics))
+            clock.now = max(o.metrics.last_token_ts for o in outs) + end_gap
+            return outs
+
+    outputs, summary, _ = run.run_cell(FakeLLM(), [[1, 2]] * 4, 2, 0.0, 10, dummy=True)
+    assert len(outputs) == 4
+    assert summary["ttft_p50_s"] == pytest.approx(0.02)
+    assert summary["time_per_output_token_ms"] == pytest.approx(1.0)
+    assert summary["wave_start_gap_ms"] == pytest.approx(3.0)  # median of 4 and 2
+    assert summary["wave_end_gap_ms"] == pytest.approx(20.0)  # median of 30 and 10
+
+
+class FakeSteadyEngine:
+    """LLMEngine's add_request / step / has_unfinished_requests on a fake clock: each
+    step advances 1 ms and emits one token for every request in flight; request i
+    needs ``lengths[i]`` tokens (max_tokens caps it)."""
+
+    def __init__(self, clock, lengths):
+        self.clock, self.lengths = clock, lengths
+        self.live = {}  # request id -> [prompt index, tokens so far, queued, first]
+        self.max_live = 0
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params):
+        i = int(request_id.rsplit("-", 1)[1])
+        self.live[request_id] = [i, [], self.clock.now, None]
+        self.max_live = max(self.max_live, len(self.live))
+        return request_id + "-1a2b3c4d"  # vLLM's internal id; outputs carry the given one
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        import types
+
+        self.steps += 1
+        self.clock.now += 0.001
+        outs = []
+        for rid, state in list(self.live.items()):
+            i, toks, queued, first = state
+            toks.append(i)
+            state[3] = first or self.clock.now
+            done = len(toks) >= self.lengths[i]
+            metrics = types.SimpleNamespace(queued_ts=queued, first_token_ts=state[3],
+                                            last_token_ts=self.clock.now)
+            outs.append(types.SimpleNamespace(
+                request_id=rid, finished=done, metrics=metrics,
+                outputs=[types.SimpleNamespace(token_ids=list(toks))]))
+            if done:
+                del self.live[rid]
+        return outs
+
+
+def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
+    import types
+
+    from bench import run
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    lengths = [4, 8, 2, 6, 3, 5]
+    engine = FakeSteadyEngine(clock, lengths)
+    llm = types.SimpleNamespace(llm_engine=engine, get_metrics=lambda: [])
+    prompts = [[i] for i in range(len(lengths))]
+    outputs, summary, _ = run.run_cell_steady(llm, prompts, 2, 0.0, 8, dummy=True)
+    assert outputs == [[i] * n for i, n in enumerate(lengths)]  # prompt order
+    assert engine.max_live == 2
+    # Each finished request is replaced for the next step: 0 (steps 1-4), then 2 (5-6),
+    # 3 (7-12); 1 (1-8), then 4 (9-11), 5 (12-16).
+    assert engine.steps == 16
+    assert summary["output_tokens"] == sum(lengths)
+    assert summary["wall_s"] == pytest.approx(engine.steps * 0.001)
+    assert summary["ttft_p50_s"] == pytest.approx(0.001)
+
+
 def test_result_rows_satisfy_the_regression_checker(tmp_path):
     """A run's rows are what ci/check_regression.py reads."""
     from ci.check_regression import load_results
