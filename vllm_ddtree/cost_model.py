@@ -63,7 +63,7 @@ TOKENS_PER_STEP_AUTO = "auto"
 # Issue 6's bound: a DDTree step at the chosen budget may cost up to 1.15x a step
 # that verifies one token per request.
 MAX_SLOWDOWN = 1.15
-# Timed forwards per token count (their median is kept), after one warm-up forward.
+# Timed forwards per token count (their median is kept), after two warm-up passes.
 MEASURE_ITERS = 5
 # A timing counts only if the host queued the whole forward within this share of the
 # spin (the rest is slack for the launches between the spin and the forward).
@@ -72,7 +72,8 @@ MAX_QUEUEING_SHARE = 0.8
 # plus SPIN_SLACK_MS.
 SPIN_PER_HOST_MS = 2.5
 SPIN_SLACK_MS = 2.0
-# A spin kernel's clock rate is calibrated with this many cycles (about 1 ms on an H200).
+# A spin kernel's clock rate is calibrated with this many cycles and four times as many
+# (about 1 and 4 ms on an H200).
 CALIBRATION_CYCLES = 2_000_000
 # Where the engine core also writes the measurement as JSON (curve, token target,
 # schedule), e.g. for bench/run.py; the log line has the same.
@@ -172,20 +173,25 @@ class QueuedKernelTimer:
         self.cycles_per_ms = self._calibrate()
         self.spin_cycles = max(1, int(spin_ms * self.cycles_per_ms))
 
+    def _spin_elapsed_ms(self, cycles: int) -> float:
+        before, after = self.stream.event(), self.stream.event()
+        self.stream.synchronize()
+        before.record()
+        self.stream.spin(cycles)
+        after.record()
+        after.synchronize()
+        return before.elapsed_time(after)
+
     def _calibrate(self) -> float:
-        # The fastest of three: launch latency can only lengthen a spin as timed.
-        elapsed = []
-        for _ in range(3):
-            before, after = self.stream.event(), self.stream.event()
-            self.stream.synchronize()
-            before.record()
-            self.stream.spin(CALIBRATION_CYCLES)
-            after.record()
-            after.synchronize()
-            elapsed.append(before.elapsed_time(after))
-        if not min(elapsed) > 0:
-            raise RuntimeError(f"a spin of {CALIBRATION_CYCLES} cycles timed {min(elapsed)} ms")
-        return CALIBRATION_CYCLES / min(elapsed)
+        """Cycles per ms from the difference of a long and a short spin, so that the
+        fixed cost of a launch cancels (with tensor parallelism every rank calibrates
+        its own GPU, and their spins must end together); the fastest of three each."""
+        short = min(self._spin_elapsed_ms(CALIBRATION_CYCLES) for _ in range(3))
+        long = min(self._spin_elapsed_ms(4 * CALIBRATION_CYCLES) for _ in range(3))
+        if not long > short > 0:
+            raise RuntimeError(f"spins of {CALIBRATION_CYCLES} and {4 * CALIBRATION_CYCLES} "
+                               f"cycles timed {short} and {long} ms")
+        return 3 * CALIBRATION_CYCLES / (long - short)
 
     def __call__(self, fn: Any) -> tuple[float, bool]:
         """(the kernels' ms, whether the host queued them in time)."""
