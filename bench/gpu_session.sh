@@ -313,7 +313,7 @@ case "$step" in
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
     # GAP_PROFILE_BATCH requests (session 9: a drafting-off step cost what a plain one
-    # did at batch 4 and 0.6-1 ms more at 16 and 64); every other config is compared
+    # did at batch 4 and 0.3-0.6 ms more at 16); every other config is compared
     # with the first.
     prepare
     mkdir -p "$OUT/profile"
