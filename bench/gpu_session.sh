@@ -272,7 +272,7 @@ case "$step" in
     read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d32}"
     read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
     # 48 requests a cell (session 9 ran 16: one 0.3 s wave at batch 16, whose two runs
-    # differed by up to 1.48x); ~25 s of cells per engine more.
+    # differed by up to 1.36x); ~25 s of cells per engine more.
     fixture_bench rounds 560 --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
       --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 48 \
       --time-budget-s 540 --engine-estimate-s 130
