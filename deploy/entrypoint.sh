@@ -69,12 +69,13 @@ for name in "${ddtree_settings[@]}" TENSOR_PARALLEL_SIZE PIPELINE_PARALLEL_SIZE 
     [[ $name == DDTREE_TOKENS_PER_STEP ]] || require_positive_int "$name"
 done
 # DDTREE_TOKENS_PER_STEP=auto: the engine measures the token target at start-up.
-if [[ -n ${DDTREE_TOKENS_PER_STEP:-} && $DDTREE_TOKENS_PER_STEP != auto ]] &&
-    ! is_positive_int "$DDTREE_TOKENS_PER_STEP"; then
-    die "DDTREE_TOKENS_PER_STEP must be a positive integer or auto, got '$DDTREE_TOKENS_PER_STEP'"
-fi
-if [[ -n ${DDTREE_TOKENS_PER_STEP:-} && $DDTREE_TOKENS_PER_STEP != auto ]] && ((DDTREE_TOKENS_PER_STEP < 2)); then
-    die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward) or auto, got '$DDTREE_TOKENS_PER_STEP'"
+if [[ -n ${DDTREE_TOKENS_PER_STEP:-} && $DDTREE_TOKENS_PER_STEP != auto ]]; then
+    if ! is_positive_int "$DDTREE_TOKENS_PER_STEP"; then
+        die "DDTREE_TOKENS_PER_STEP must be a positive integer or auto, got '$DDTREE_TOKENS_PER_STEP'"
+    fi
+    if ((DDTREE_TOKENS_PER_STEP < 2)); then
+        die "DDTREE_TOKENS_PER_STEP must be at least 2 (verified tokens per forward) or auto, got '$DDTREE_TOKENS_PER_STEP'"
+    fi
 fi
 if [[ -n ${DDTREE_DISABLE_BY_BATCH_SIZE:-} ]] && ((DDTREE_DISABLE_BY_BATCH_SIZE < 2)); then
     die "DDTREE_DISABLE_BY_BATCH_SIZE must be at least 2 (at 1 nothing would be drafted), got '$DDTREE_DISABLE_BY_BATCH_SIZE'"

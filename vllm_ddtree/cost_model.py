@@ -21,11 +21,11 @@ only. With ``"auto"`` the engine measures it instead:
    it too).
 3. The schedule for ``T`` (with ``ddtree_disable_by_batch_size`` on top, if set)
    replaces the provisional one on the engine core, whose scheduler is built next,
-   and on every worker (:func:`apply_budget_schedule`, a second RPC), before the
+   and on every worker (:func:`apply_budget_schedule`, a third RPC), before the
    workers capture their CUDA graphs, which follow the schedule.
 
 No graph exists yet, so the forward runs eagerly, and an eager forward's wall time is
-the host's: launching an 8B target's ~500 kernels one by one took 12-18 ms on the H200
+the host's: launching an 8B target's kernels one by one took 12-18 ms on the H200
 at every token count, noisily, while the same forward replayed from a CUDA graph takes
 5.2 ms (session 9, ``bench/results/session9/``), and a knee read from wall times chose
 2 tokens per step. What a step pays after capture is the forward's kernels run back to
