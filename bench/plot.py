@@ -1,6 +1,6 @@
 """PNG plots of a ``bench/run.py`` result: tokens/s and tau against batch size.
 
-    python bench/plot.py bench/results/bench-fixture.json --out-dir bench/results/plots
+    python bench/plot.py bench/results/bench-fixture.json.gz --out-dir bench/results/plots
 
 One figure per (prompt set, temperature): output tokens/s (left) and tau (right)
 against batch size, one line per configuration. Needs matplotlib.
@@ -9,9 +9,15 @@ against batch size, one line per configuration. Needs matplotlib.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # run as a file: make `bench` importable
+
+from bench.result_files import read_json  # noqa: E402
 
 
 def series_by_panel(doc: dict) -> dict:
@@ -66,8 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("result")
     ap.add_argument("--out-dir", required=True)
     a = ap.parse_args(argv)
-    with open(a.result) as f:
-        doc = json.load(f)
+    doc = read_json(a.result)
     for p in plot_results(doc, a.out_dir):
         print(p)
     return 0

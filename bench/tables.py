@@ -13,15 +13,13 @@ Several results of one code tree (the same ``code_digest``, e.g. successive devi
 calls of one session) are read as one: a configuration measured in one file can be
 compared with one measured in another. A cell measured in two of them is refused.
 
-    python bench/tables.py bench/results/bench-fixture-mp-t512.json \
+    python bench/tables.py bench/results/bench-fixture-mp-t512.json.gz \
         --ddtree ddtree-b64-t512 --chains dflash dflash-t512
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import sys
 
@@ -29,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.result_files import read_json  # noqa: E402
 from bench.run import all_steps_fields  # noqa: E402
 
 
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     docs = []
     for path in args.results:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            docs.append(json.load(f))
+        docs.append(read_json(path))
     try:
         doc = docs[0] if len(docs) == 1 else merge_results(docs, args.results)
         print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))

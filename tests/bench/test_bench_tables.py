@@ -106,3 +106,16 @@ def test_results_of_different_trees_or_twice_measured_cells_are_refused(tmp_path
     assert "different code trees" in capsys.readouterr().err
     assert main([str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--ddtree", "ddtree"]) == 2
     assert "no-spec at humaneval, T=0, batch 4 is in both" in capsys.readouterr().err
+
+
+def test_main_reads_a_gzipped_result_as_the_plain_one(tmp_path, capsys):
+    import gzip
+
+    plain, packed = tmp_path / "r.json", tmp_path / "r.json.gz"
+    plain.write_text(json.dumps(DOC))
+    with gzip.open(packed, "wt") as f:
+        json.dump(DOC, f)
+    assert main([str(plain), "--ddtree", "ddtree"]) == 0
+    from_plain = capsys.readouterr().out
+    assert main([str(packed), "--ddtree", "ddtree"]) == 0
+    assert capsys.readouterr().out == from_plain and "| no-spec | 500 | 2000 |" in from_plain
