@@ -282,13 +282,15 @@ case "$step" in
     # refilled as each finishes, as a server at that concurrency sees it; in the
     # default waves each wave ends with its slowest request (session 9: a DDTree wave
     # at batch 16 ran 1.2x faster per token than a plain one, but its first tokens and
-    # its last request cost that back).
+    # its last request cost that back). STEADY_PROFILE=1 adds DDTree's per-stage step
+    # times, steps that prefill a joining request grouped apart.
     prepare
     read -r -a sconfigs <<< "${STEADY_CONFIGS:-no-spec ddtree-b64-t512 ddtree-b64-t512-d32}"
     read -r -a sbatches <<< "${STEADY_BATCH_SIZES:-4 16 64}"
     fixture_bench steady 560 --cell-mode steady --configs "${sconfigs[@]}" \
       --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats 2 --min-requests 64 \
-      --engine-rounds "${STEADY_ROUNDS:-1}" --time-budget-s 540 --engine-estimate-s 110
+      --engine-rounds "${STEADY_ROUNDS:-1}" --time-budget-s 540 --engine-estimate-s 110 \
+      ${STEADY_PROFILE:+--profile-dir "$OUT"}
     ;;
   flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU

@@ -473,7 +473,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Runner hook before the target forward: depth positions and tree masks."""
         num_reqs = input_batch.num_reqs
         if self.profiler is not None:
-            self.profiler.mark("verify", num_reqs)
+            # Tokens beyond each request's root and drafts are prompt tokens.
+            with_prefill = input_batch.num_tokens > num_reqs + input_batch.num_draft_tokens
+            self.profiler.mark("verify", num_reqs, with_prefill)
         if input_batch.num_draft_tokens == 0 and input_batch.num_tokens == num_reqs:
             # One query token per request (decodes without drafts, budget-0 steps):
             # attention reads only bias[r, 0, 0], which is 0 in every tree written

@@ -23,6 +23,11 @@ timed on the host (``host_<stage>``, ``host_step``: ``time.perf_counter`` at the
 marks, i.e. when the host *issued* the work): a stage whose host time exceeds its GPU
 time is bound by the host. Off (the default), it costs one environment lookup at
 start-up.
+
+Steps are grouped by their number of requests; a step that also carries prompt tokens
+(a prefill or a chunk of one, beside the decodes) is grouped apart, as
+``"<requests>+prefill"``: under constant concurrency a new request joins every few
+steps, and those steps cost more than decode-only ones.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[k]
 
 
+def _group_order(group: str) -> tuple[int, str]:
+    """"4" < "4+prefill" < "16": by request count, then decode-only first."""
+    count, _, rest = group.partition("+")
+    return int(count), rest
+
+
 class StepProfiler:
     """Collects CUDA events per step; resolves them lazily without syncing."""
 
@@ -61,8 +72,8 @@ class StepProfiler:
         self.keep = keep
         self.current: dict = {}
         self.pending: deque[dict] = deque()
-        # batch size (requests in the step) -> stage -> times in ms
-        self.times: dict[int, dict[str, list[float]]] = {}
+        # step group ("16", "16+prefill") -> stage -> times in ms
+        self.times: dict[str, dict[str, list[float]]] = {}
         self.measured = 0
         self.info: dict = {}
         self.clock = time.perf_counter  # seconds; replaceable in tests
@@ -72,7 +83,7 @@ class StepProfiler:
         path = os.environ.get(ENV)
         return cls(path) if path else None
 
-    def mark(self, name: str, num_reqs: int | None = None) -> None:
+    def mark(self, name: str, num_reqs: int | None = None, with_prefill: bool = False) -> None:
         if torch.cuda.is_current_stream_capturing():
             return
         host = self.clock()
@@ -84,7 +95,7 @@ class StepProfiler:
                 self.current["end"] = ev
                 self.current["host:end"] = host
                 self.pending.append(self.current)
-            self.current = {"num_reqs": num_reqs or 0}
+            self.current = {"group": f"{num_reqs or 0}{'+prefill' if with_prefill else ''}"}
             self._resolve()
         self.current[name] = ev
         self.current["host:" + name] = host
@@ -97,7 +108,7 @@ class StepProfiler:
             if not end.query():
                 return
             self.pending.popleft()
-            times = self.times.setdefault(step["num_reqs"], {})
+            times = self.times.setdefault(step["group"], {})
             for name, a, b in STAGES:
                 if a in step and b in step:
                     times.setdefault(name, []).append(step[a].elapsed_time(step[b]))
@@ -115,8 +126,8 @@ class StepProfiler:
 
     def summary(self) -> dict:
         out = {"measured_steps": self.measured, **self.info, "by_batch_size": {}}
-        for batch, times in sorted(self.times.items()):
-            out["by_batch_size"][str(batch)] = {
+        for group, times in sorted(self.times.items(), key=lambda kv: _group_order(kv[0])):
+            out["by_batch_size"][group] = {
                 name: {
                     "mean": round(sum(xs) / len(xs), 4),
                     "p50": round(_percentile(xs, 50), 4),

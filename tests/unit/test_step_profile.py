@@ -92,3 +92,19 @@ def test_a_step_without_drafts_still_splits_forward_and_context(fake_cuda, tmp_p
     b64 = prof.summary()["by_batch_size"]["64"]
     assert b64["to_propose"]["mean"] == 2.0 and b64["draft_tree"]["mean"] == 0.5
     assert b64["step"]["mean"] == 3.0 and "verify_forward" not in b64
+
+
+def test_steps_with_prompt_tokens_are_grouped_apart(fake_cuda, tmp_path):
+    """A decode step and one that also prefills a joining request land in separate
+    groups ("16" and "16+prefill"), listed by request count, decode-only first."""
+    prof = StepProfiler(str(tmp_path / "p.json"))
+    for with_prefill, forward in ((False, 3.0), (True, 9.0), (False, 3.0)):
+        prof.mark("verify", 16, with_prefill)
+        FakeClock.now += forward
+    prof.mark("verify", 4)
+    FakeClock.now += 1.0
+    prof.mark("verify", 4)
+    groups = prof.summary()["by_batch_size"]
+    assert list(groups) == ["4", "16", "16+prefill"]
+    assert groups["16"]["step"]["n"] == 2 and groups["16"]["step"]["mean"] == 3.0
+    assert groups["16+prefill"]["step"]["n"] == 1 and groups["16+prefill"]["step"]["mean"] == 9.0
