@@ -831,15 +831,21 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
         index_of[given] = index_of[internal or given] = i
 
     # At most `batch` in flight by construction: one submitted per one finished.
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     for _ in range(min(batch, len(prompts))):
         submit()
+    intervals = StepIntervals()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        now = time.perf_counter()
+        if outs:
+            intervals.add(now - last, outs)
+            last = now
+        for out in outs:
             if not getattr(out, "finished", False):
                 continue
             finished[index_of[out.request_id]] = out
-            times.add(out, time.perf_counter() - t0)
+            times.add(out, now - t0)
             if pending:
                 submit()
     wall = time.perf_counter() - t0
@@ -847,7 +853,32 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
         raise RuntimeError(f"steady cell: {len(finished)} of {len(prompts)} requests finished")
     outputs = [list(finished[i].outputs[0].token_ids) for i in range(len(prompts))]
     delta = spec_counters(llm.get_metrics()).minus(before)
-    return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts), delta
+    summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts)
+    return outputs, {**summary, **intervals.summary()}, delta
+
+
+class StepIntervals:
+    """Time between consecutive engine outputs of a steady cell, split by whether the
+    outputs carry some request's first token: then the step that made them prefilled a
+    joining request beside the decodes. Under constant concurrency a request joins
+    every few steps, so what such a step costs weighs on tokens/s (measured from the
+    client, so it works for every configuration, with or without speculation)."""
+
+    def __init__(self) -> None:
+        self.decode: list[float] = []
+        self.with_prefill: list[float] = []
+
+    def add(self, seconds: float, outs) -> None:
+        first = any(len(o.outputs[0].token_ids) == 1 for o in outs if o.outputs)
+        (self.with_prefill if first else self.decode).append(seconds)
+
+    def summary(self) -> dict:
+        out = {}
+        for name, xs in (("decode_step", self.decode), ("prefill_step", self.with_prefill)):
+            if xs:
+                out[f"{name}_ms_p50"] = _r(percentile(xs, 50) * 1e3)
+                out[f"{name}s"] = len(xs)
+        return out
 
 
 CELL_MODES = ("waves", "steady")
@@ -926,7 +957,9 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                 print(json.dumps({k: entry.get(k) for k in (
                     "config", "prompt_set", "batch_size", "temperature", "tau",
                     "output_tokens_per_s", "time_per_output_token_ms", "ttft_p50_s",
-                    "greedy_match", "greedy_identical")} | ({"round": rnd} if args.engine_rounds > 1 else {})),
+                    "greedy_match", "greedy_identical")}
+                    | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
+                    | ({"round": rnd} if args.engine_rounds > 1 else {})),
                     flush=True)
     eng["engine_s"] = round(time.time() - t_engine, 1)
     if profile and os.path.exists(profile):

@@ -230,6 +230,28 @@ def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
     assert summary["output_tokens"] == sum(lengths)
     assert summary["wall_s"] == pytest.approx(engine.steps * 0.001)
     assert summary["ttft_p50_s"] == pytest.approx(0.001)
+    # Steps whose outputs carry a first token prefilled someone: 1 (requests 0 and 1),
+    # 5, 7, 9 and 12 (each joining request); the other 11 only decoded.
+    assert (summary["prefill_steps"], summary["decode_steps"]) == (5, 11)
+    assert summary["prefill_step_ms_p50"] == pytest.approx(1.0)
+    assert summary["decode_step_ms_p50"] == pytest.approx(1.0)
+
+
+def test_step_intervals_split_steps_that_prefill_a_joining_request():
+    import types
+
+    from bench.run import StepIntervals
+
+    def out(n_tokens):
+        return types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[0] * n_tokens)])
+
+    iv = StepIntervals()
+    iv.add(0.002, [out(5), out(9)])
+    iv.add(0.010, [out(6), out(1)])  # a request's first token: its prefill step
+    iv.add(0.004, [out(7), out(3)])
+    assert iv.summary() == {"decode_step_ms_p50": 3.0, "decode_steps": 2,
+                            "prefill_step_ms_p50": 10.0, "prefill_steps": 1}
+    assert StepIntervals().summary() == {}
 
 
 def test_result_rows_satisfy_the_regression_checker(tmp_path):
