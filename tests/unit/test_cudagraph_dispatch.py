@@ -1,0 +1,109 @@
+"""Which captured CUDA graph the V2 runner replays for a batch, under a DDTree
+budget schedule (patch cudagraph_dispatch-ladders-per-query-length).
+
+vLLM 0.26 staged every graph on one ladder of token counts: a batch took the graphs
+at the nearest level at or above its size. A DDTree schedule captures FULL decode
+graphs for several query lengths (budget + 1 per batch-size range), at sizes rounded
+to each length, so the nearest level often held only another length's decode
+graphs: a mixed step (a joining request's prompt beside the trees) then ran with no
+graph at all. On the H200 such steps cost 8-25 ms against 2-4 ms for a decode step
+(docs/benchmarks.md, session 10). Built on the CPU from the manager's own
+candidate code; only the captured-graph lookup is exercised.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from vllm_ddtree.budget import budget_schedule
+
+cudagraph_utils = pytest.importorskip("vllm.v1.worker.gpu.cudagraph_utils")
+CUDAGraphMode = pytest.importorskip("vllm.config").CUDAGraphMode
+
+# vLLM's default capture sizes up to 512 tokens.
+CAPTURE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+
+
+def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_reqs: int = 64,
+                  mode=CUDAGraphMode.FULL_AND_PIECEWISE):
+    """A CudaGraphManager with only what candidate staging and dispatch read."""
+    manager = object.__new__(cudagraph_utils.CudaGraphManager)
+    manager.compilation_config = types.SimpleNamespace(
+        cudagraph_capture_sizes=CAPTURE_SIZES, max_cudagraph_capture_size=max(CAPTURE_SIZES))
+    manager.max_num_reqs = max_num_reqs
+    manager.decode_query_len = decode_query_len
+    manager.cudagraph_mode = mode
+    manager.lora_capture_cases = [0]
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    spec = None
+    if num_spec:
+        spec = types.SimpleNamespace(
+            uses_dynamic_speculative_decoding=lambda: schedule is not None,
+            num_speculative_tokens_per_batch_size=schedule)
+    manager.vllm_config = types.SimpleNamespace(speculative_config=spec,
+                                                num_speculative_tokens=num_spec)
+    manager._candidates, manager._capture_descs = {}, {}
+    manager.use_breakable_cg = False
+    manager._init_candidates()
+    manager._graphs_captured = True
+    return manager
+
+
+def smallest_full_graph(manager, query_len: int, num_tokens: int) -> int:
+    """Tokens of the smallest captured FULL decode graph of ``query_len`` that holds
+    ``num_tokens``."""
+    return min(d.num_tokens for d in manager._capture_descs[CUDAGraphMode.FULL]
+               if d.uniform_token_count == query_len and d.num_tokens >= num_tokens)
+
+
+def ddtree_manager(tokens_per_step: int = 512, max_budget: int = 64):
+    return graph_manager(max_budget + 1, max_budget, budget_schedule(tokens_per_step, max_budget))
+
+
+def test_every_mixed_step_within_the_largest_graph_replays_a_piecewise_graph():
+    manager = ddtree_manager()
+    for num_tokens in range(2, 513):
+        desc = manager.dispatch(2, num_tokens, None, 0)
+        assert desc.cg_mode == CUDAGraphMode.PIECEWISE, num_tokens
+        # The smallest captured size that holds the batch.
+        assert desc.num_tokens == min(s for s in CAPTURE_SIZES if s >= num_tokens)
+    assert manager.dispatch(2, 600, None, 0).cg_mode == CUDAGraphMode.NONE  # past them all
+
+
+def test_every_scheduled_decode_step_replays_a_full_graph_of_its_query_length():
+    schedule = budget_schedule(512, 64)
+    manager = ddtree_manager()
+    for first, last, budget in schedule:
+        query_len = budget + 1
+        for num_reqs in range(first, min(last, 64) + 1):
+            num_tokens = num_reqs * query_len
+            if num_tokens > 512:
+                continue
+            desc = manager.dispatch(num_reqs, num_tokens, query_len, 0)
+            assert desc.cg_mode == CUDAGraphMode.FULL, (num_reqs, query_len)
+            assert desc.uniform_token_count == query_len and desc.num_reqs >= num_reqs
+            assert desc.num_tokens == smallest_full_graph(manager, query_len, num_tokens)
+
+
+@pytest.mark.parametrize("decode_query_len, num_spec", [(1, 0), (16, 15)])
+def test_one_query_length_dispatches_as_before(decode_query_len, num_spec):
+    """Plain decoding and the DFlash chain (one decode length): decode batches on FULL
+    graphs, mixed ones on the smallest piecewise graph."""
+    manager = graph_manager(decode_query_len, num_spec)
+    for num_reqs in (1, 3, 16, 32):
+        desc = manager.dispatch(num_reqs, num_reqs * decode_query_len, decode_query_len, 0)
+        assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_reqs >= num_reqs
+        assert desc.num_tokens == smallest_full_graph(manager, decode_query_len,
+                                                      num_reqs * decode_query_len)
+    for num_tokens in (5, 100, 300, 512):
+        desc = manager.dispatch(2, num_tokens, None, 0)
+        assert desc.cg_mode == CUDAGraphMode.PIECEWISE
+        assert desc.num_tokens == min(s for s in CAPTURE_SIZES if s >= num_tokens)
+
+
+def test_without_mixed_graphs_a_mixed_step_runs_eagerly():
+    manager = graph_manager(65, 64, budget_schedule(512, 64), mode=CUDAGraphMode.FULL_DECODE_ONLY)
+    assert manager.dispatch(2, 200, None, 0).cg_mode == CUDAGraphMode.NONE
+    assert manager.dispatch(4, 4 * 65, 65, 0).cg_mode == CUDAGraphMode.FULL
