@@ -107,3 +107,16 @@ def test_without_mixed_graphs_a_mixed_step_runs_eagerly():
     manager = graph_manager(65, 64, budget_schedule(512, 64), mode=CUDAGraphMode.FULL_DECODE_ONLY)
     assert manager.dispatch(2, 200, None, 0).cg_mode == CUDAGraphMode.NONE
     assert manager.dispatch(4, 4 * 65, 65, 0).cg_mode == CUDAGraphMode.FULL
+
+
+def test_one_query_length_that_skips_capture_sizes_keeps_mixed_steps_on_graphs():
+    """A decode length that does not divide the capture sizes (3: two speculative
+    tokens) staged decode-only levels (9, 18, ...) on the old ladder, where mixed
+    batches found no graph."""
+    manager = graph_manager(3, 2)
+    for num_tokens in (9, 17, 18, 100):
+        desc = manager.dispatch(2, num_tokens, None, 0)
+        assert desc.cg_mode == CUDAGraphMode.PIECEWISE, num_tokens
+        assert desc.num_tokens == min(s for s in CAPTURE_SIZES if s >= num_tokens)
+    desc = manager.dispatch(3, 9, 3, 0)
+    assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens == 9
