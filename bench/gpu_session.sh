@@ -43,9 +43,13 @@
 #                                      # from 32, each engine started twice (A B B A), T=0
 #   bash bench/gpu_session.sh steady   # constant concurrency (--cell-mode steady): no-spec, trees,
 #                                      # drafting off from 32, batch 4-64, T=0
+#                                      # (STEADY_CONFIGS, STEADY_BATCH_SIZES, STEADY_ROUNDS;
+#                                      # STEADY_PROFILE=1: DDTree's per-stage step times)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
-#                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS)
+#                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS;
+#                                          # GAP_PROFILE_STEADY=N: a steady cell of N
+#                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces)
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
 #   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
@@ -322,8 +326,11 @@ case "$step" in
     prepare
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
+    # GAP_PROFILE_STEADY=N: a constant-concurrency cell of N requests instead of one
+    # wave (session 10: steps that prefill a joining request cost 4-9x a decode step).
     timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
       --configs "${pconfigs[@]}" --max-tokens 64 --out-dir "$OUT/profile" \
+      ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
       > "$OUT/profile/profile-step.log" 2>&1
     echo "gap profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     # Profile files name a config with "+" as "_" (bench/run.py file_stem).

@@ -13,6 +13,10 @@ prompts three times:
    time (union of kernel intervals) against the wall time, so the GPU's idle share
    says how far the step is bound by the host; top kernels and top CPU-side ops.
 
+``--steady-requests N`` replaces the wave by a constant-concurrency cell of N prompts,
+``--batch-size`` in flight (``bench/run.py --cell-mode steady``), so the profiles also
+hold the steps that prefill a joining request.
+
 Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofile.txt``
 and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
 https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
@@ -53,6 +57,7 @@ from bench.run import (  # noqa: E402
     file_stem,
     load_prompt_sets,
     parse_config,
+    run_cell_steady,
     spec_counters,
 )
 
@@ -229,6 +234,18 @@ def generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def workload(llm, args, prompts) -> tuple[float, int]:
+    """One timed pass: a wave of ``--batch-size`` prompts, or with ``--steady-requests``
+    a constant-concurrency cell (``bench/run.py --cell-mode steady``) over all prompts,
+    ``--batch-size`` of them in flight, so steps that prefill a joining request are
+    profiled beside decode steps as a server sees them."""
+    if not args.steady_requests:
+        return generate(llm, prompts, args.max_tokens)
+    outputs, summary, _ = run_cell_steady(llm, prompts, args.batch_size, 0.0, args.max_tokens,
+                                          dummy=False)
+    return summary["wall_s"], sum(len(o) for o in outputs)
+
+
 def start_engine(args, name: str, **extra):
     """The engine of one configuration, as both profiling modes start it."""
     from vllm import LLM
@@ -244,11 +261,13 @@ def start_engine(args, name: str, **extra):
 def plain_run(llm, args, prompts) -> tuple[dict, int]:
     """Warm up, then one timed generation without profilers: its numbers and the
     engine steps per request (spec-decode drafts; one per token without speculation)."""
-    generate(llm, prompts, 16)  # warm-up
+    generate(llm, prompts[: args.batch_size], 16)  # warm-up
     before = spec_counters(llm.get_metrics())
-    wall, n = generate(llm, prompts, args.max_tokens)
+    wall, n = workload(llm, args, prompts)
     delta = spec_counters(llm.get_metrics()).minus(before)
-    steps = delta.drafts // len(prompts) if delta.drafts else args.max_tokens
+    # A step drafts for (and, without speculation, emits one token to) each request in
+    # flight.
+    steps = (delta.drafts or n) // args.batch_size
     return {"wall_s": round(wall, 4), "output_tokens": n,
             "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
             "step_ms": round(wall / max(steps, 1) * 1e3, 3)}, steps
@@ -259,12 +278,12 @@ def profile_config(args, name: str, prompts) -> dict:
 
     llm = start_engine(args, name)
     rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-                 "cuda_graphs": not args.eager}
+                 "steady_requests": args.steady_requests or None, "cuda_graphs": not args.eager}
     rec["plain"], steps = plain_run(llm, args, prompts)
 
     prof = cProfile.Profile()
     prof.enable()
-    wall_c, _ = generate(llm, prompts, args.max_tokens)
+    wall_c, _ = workload(llm, args, prompts)
     prof.disable()
     rec["cprofile_wall_s"] = round(wall_c, 4)
     with open(os.path.join(args.out_dir, f"profile-{file_stem(name)}-cprofile.txt"), "w") as f:
@@ -273,7 +292,7 @@ def profile_config(args, name: str, prompts) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
-        wall_t, _ = generate(llm, prompts, args.max_tokens)
+        wall_t, _ = workload(llm, args, prompts)
         torch.cuda.synchronize()
     rec["torch_profile_wall_s"] = round(wall_t, 4)
     rec["torch_profile"] = summarize_torch_profile(tprof)
@@ -300,10 +319,11 @@ def profile_config_mp(args, name: str, prompts) -> dict:
     llm = start_engine(args, name, profiler_config=ProfilerConfig(
         profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=True))
     rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
-                 "cuda_graphs": not args.eager, "engine_process": "mp"}
+                 "steady_requests": args.steady_requests or None, "cuda_graphs": not args.eager,
+                 "engine_process": "mp"}
     rec["plain"], steps = plain_run(llm, args, prompts)
     llm.start_profile()
-    wall_t, _ = generate(llm, prompts, args.max_tokens)
+    wall_t, _ = workload(llm, args, prompts)
     llm.stop_profile()
     rec["torch_profile_wall_s"] = round(wall_t, 4)
     deadline = time.time() + 120
@@ -336,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-set", default="humaneval")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--steady-requests", type=int, default=0, metavar="N",
+                    help="profile a constant-concurrency cell of N requests (N > "
+                         "--batch-size), --batch-size in flight, instead of one wave")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzip)")
@@ -365,12 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         parse_config(c)  # bad names fail before any GPU work
     if args.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
+    if args.steady_requests and args.steady_requests <= args.batch_size:
+        raise SystemExit(f"--steady-requests must exceed --batch-size ({args.batch_size}): "
+                         f"got {args.steady_requests}")
     os.makedirs(args.out_dir, exist_ok=True)
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.target)
-    prompts = load_prompt_sets([args.prompt_set], args.data, tok, args.batch_size)[args.prompt_set]
+    prompts = load_prompt_sets([args.prompt_set], args.data, tok,
+                               max(args.batch_size, args.steady_requests))[args.prompt_set]
     results = []
     for name in args.configs:
         try:

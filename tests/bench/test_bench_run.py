@@ -780,3 +780,33 @@ def test_long_prompts_rotate_for_more_groups_without_repeats(monkeypatch):
     # Pairs (0,1) (2,3), then from the 2nd prompt on (1,2) (3,0); later passes repeat them.
     assert len(got) == 4 and len({tuple(p) for p in got}) == 4
     assert all(len(p) == 8 + 32 + 3 for p in got)
+
+
+def test_profile_step_steady_workload_keeps_the_batch_in_flight(monkeypatch):
+    """bench/profile_step.py --steady-requests: each timed pass is a steady cell over
+    all prompts with --batch-size in flight; steps count per request in flight."""
+    import types
+
+    from bench import profile_step, run
+
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    engine = FakeSteadyEngine(clock, [8] * 6)
+    warmups = []
+    llm = types.SimpleNamespace(llm_engine=engine, get_metrics=lambda: [],
+                                generate=lambda prompts, *a, **k: warmups.append(len(prompts)) or [])
+    args = types.SimpleNamespace(steady_requests=6, batch_size=2, max_tokens=8)
+    prompts = [[i] for i in range(6)]
+    plain, steps = profile_step.plain_run(llm, args, prompts)
+    assert warmups == [2]  # the warm-up is one wave of --batch-size prompts
+    assert engine.max_live == 2 and engine.steps == 24  # 6 requests x 8 tokens, 2 at a time
+    assert plain["output_tokens"] == 48 and steps == 24
+    assert plain["wall_s"] == pytest.approx(0.024)
+
+
+def test_profile_step_refuses_a_steady_cell_no_larger_than_the_batch(tmp_path):
+    from bench.profile_step import main as profile_main
+
+    with pytest.raises(SystemExit, match="--steady-requests must exceed --batch-size"):
+        profile_main(["--configs", "no-spec", "--batch-size", "4", "--steady-requests", "4",
+                      "--out-dir", str(tmp_path)])
