@@ -49,6 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.result_files import read_json  # noqa: E402
 from bench.run import (  # noqa: E402
     DEFAULT_DRAFTER,
     _free,
@@ -207,13 +208,6 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
     }
 
 
-def load_trace(path: str) -> dict:
-    """A Chrome trace as written by torch.profiler (``.json`` or ``.json.gz``)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
-
-
 def cprofile_text(prof: cProfile.Profile, top: int = 45) -> str:
     out = io.StringIO()
     st = pstats.Stats(prof, stream=out)
@@ -336,7 +330,7 @@ def profile_config_mp(args, name: str, prompts) -> dict:
     if traces:
         time.sleep(2)
         path = max(traces, key=os.path.getsize)
-        rec["torch_profile"] = summarize_chrome_trace(load_trace(path), steps)
+        rec["torch_profile"] = summarize_chrome_trace(read_json(path), steps)
         if args.trace:
             shutil.copy(path, os.path.join(args.out_dir, f"profile-{file_stem(name)}-trace.json.gz"
                                            if path.endswith(".gz") else f"profile-{file_stem(name)}-trace.json"))
@@ -376,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.steps or args.steps < 1:
             raise SystemExit("--summarize-trace needs --steps >= 1")
         os.makedirs(args.out_dir, exist_ok=True)
-        summary = summarize_chrome_trace(load_trace(args.summarize_trace), args.steps, top=10_000)
+        summary = summarize_chrome_trace(read_json(args.summarize_trace), args.steps, top=10_000)
         name = os.path.basename(args.summarize_trace).split(".")[0]
         summary.update(trace=os.path.basename(args.summarize_trace), steps=args.steps)
         with open(os.path.join(args.out_dir, f"kernels-{file_stem(name)}.json"), "w") as f:

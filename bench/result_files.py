@@ -1,7 +1,8 @@
 """Reading result files that ``bench/`` scripts wrote, plain or gzip-compressed.
 
 Results under ``bench/results/`` are kept gzipped (``*.json.gz``) once they grow past a
-few kilobytes, so every reader opens both kinds.
+few kilobytes, and torch.profiler's Chrome traces are written gzipped too, so every
+reader opens both kinds.
 """
 
 from __future__ import annotations

@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="chain configurations; ratios use the best of them per cell")
     ap.add_argument("--baseline", default="no-spec")
     args = ap.parse_args(argv)
-    docs = []
-    for path in args.results:
-        docs.append(read_json(path))
+    docs = [read_json(path) for path in args.results]
     try:
         doc = docs[0] if len(docs) == 1 else merge_results(docs, args.results)
         print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))
