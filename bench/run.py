@@ -215,10 +215,16 @@ SUITES: dict[str, Suite] = {
 
 
 # ----------------------------------------------------------------------------- pure helpers
-def requests_for(batch: int, min_requests: int) -> int:
-    """Whole waves of ``batch`` requests, at least ``min_requests`` in all."""
-    waves = max(1, math.ceil(min_requests / batch))
+def requests_for(batch: int, min_requests: int, min_waves: int = 1) -> int:
+    """Whole waves of ``batch`` requests, at least ``min_requests`` in all and at least
+    ``min_waves`` waves (in a steady cell: generations of requests)."""
+    waves = max(1, min_waves, math.ceil(min_requests / batch))
     return waves * batch
+
+
+def cycled(prompts: list, n: int) -> list:
+    """``n`` prompts, the set repeated when it has fewer."""
+    return [prompts[i % len(prompts)] for i in range(n)]
 
 
 @dataclass
@@ -447,7 +453,7 @@ def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dic
 
 REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
                    "latency_p50_s", "latency_p99_s", "ttft_p50_s", "wave_start_gap_ms",
-                   "wave_end_gap_ms")
+                   "wave_end_gap_ms", "full_concurrency_tokens_per_s")
 
 
 def spread(values: list[float]) -> float | None:
@@ -813,7 +819,14 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
                     max_tokens: int, dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
     """Constant concurrency: ``batch`` requests in flight from the start, a new one
     added as soon as one finishes (as a server with ``batch`` busy clients), all in
-    one engine loop; only the last ``batch`` requests drain. Outputs in prompt order."""
+    one engine loop; only the last ``batch`` requests drain. Outputs in prompt order.
+
+    Besides the whole cell's tokens/s, ``full_concurrency_tokens_per_s``: the tokens
+    generated from the start to the last request's submission, over that time, i.e.
+    while exactly ``batch`` requests were in flight. The drain after it weighs on a
+    configuration whose requests finish unevenly (speculation: acceptance varies per
+    request) and not on plain decoding's lockstep; a server under constant load has
+    no drain."""
     engine = llm.llm_engine
     before = spec_counters(llm.get_metrics())
     pending = list(range(len(prompts)))[::-1]
@@ -835,6 +848,8 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
     for _ in range(min(batch, len(prompts))):
         submit()
     intervals = StepIntervals()
+    generated: dict[str, int] = {}  # request id -> tokens so far (outputs are cumulative)
+    full_concurrency = None  # (seconds, tokens) at the last request's submission
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
@@ -842,18 +857,24 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
             intervals.add(now - last, outs)
             last = now
         for out in outs:
+            generated[out.request_id] = len(out.outputs[0].token_ids)
             if not getattr(out, "finished", False):
                 continue
             finished[index_of[out.request_id]] = out
             times.add(out, now - t0)
             if pending:
                 submit()
+                if not pending:
+                    full_concurrency = (now - t0, sum(generated.values()))
     wall = time.perf_counter() - t0
     if len(finished) != len(prompts):
         raise RuntimeError(f"steady cell: {len(finished)} of {len(prompts)} requests finished")
     outputs = [list(finished[i].outputs[0].token_ids) for i in range(len(prompts))]
     delta = spec_counters(llm.get_metrics()).minus(before)
     summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts)
+    if full_concurrency is not None and full_concurrency[0] > 0:
+        summary["full_concurrency_s"] = round(full_concurrency[0], 4)
+        summary["full_concurrency_tokens_per_s"] = round(full_concurrency[1] / full_concurrency[0], 2)
     return outputs, {**summary, **intervals.summary()}, delta
 
 
@@ -935,7 +956,7 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     for set_name, prompts in prompt_sets.items():
         for temp in suite.temperatures:
             for batch in suite.batch_sizes:
-                reqs = prompts[: requests_for(batch, suite.min_requests)]
+                reqs = cycled(prompts, requests_for(batch, suite.min_requests, args.min_waves))
                 runs = [cell_runner(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
                         for _ in range(args.repeats)]
                 outs = runs[0][0]  # the repeats generate the same tokens
@@ -956,7 +977,8 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                 rec.save()
                 print(json.dumps({k: entry.get(k) for k in (
                     "config", "prompt_set", "batch_size", "temperature", "tau",
-                    "output_tokens_per_s", "time_per_output_token_ms", "ttft_p50_s",
+                    "output_tokens_per_s", "full_concurrency_tokens_per_s",
+                    "time_per_output_token_ms", "ttft_p50_s",
                     "greedy_match", "greedy_identical")}
                     | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
                     | ({"round": rnd} if args.engine_rounds > 1 else {})),
@@ -1014,6 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="vLLM's asynchronous scheduling (auto: vLLM's default, on for "
                          "DFlash and DDTree)")
+    ap.add_argument("--min-waves", type=int, default=1,
+                    help="at least this many waves of BATCH requests per cell (steady: "
+                         "generations), prompts repeated when a set has too few")
     ap.add_argument("--time-budget-s", type=float, default=0.0,
                     help="skip engines that would start after this many seconds (0: no limit)")
     ap.add_argument("--engine-estimate-s", type=float, default=60.0,
@@ -1024,6 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.min_waves < 1:
+        ap.error(f"--min-waves must be >= 1, got {args.min_waves}")
     if args.engine_rounds < 1:
         ap.error(f"--engine-rounds must be >= 1, got {args.engine_rounds}")
 
@@ -1055,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import vllm
 
-    n_prompts = requests_for(max(suite.batch_sizes), suite.min_requests)
+    n_prompts = requests_for(max(suite.batch_sizes), suite.min_requests, args.min_waves)
     tokenizer = None
     if not suite.dummy:
         from transformers import AutoTokenizer
@@ -1063,8 +1090,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(target)
     prompt_sets = load_prompt_sets(suite.prompt_sets, args.data, tokenizer, n_prompts)
     for name, ps in prompt_sets.items():
-        if len(ps) < n_prompts:
-            raise SystemExit(f"prompt set {name} has {len(ps)} usable prompts, {n_prompts} needed")
+        # --min-waves may ask for more requests than a set has: they repeat (a repeat
+        # finds its prompt in the prefix cache, as every cell's second run does).
+        needed = n_prompts if args.min_waves <= 1 else max(suite.batch_sizes)
+        if len(ps) < needed:
+            raise SystemExit(f"prompt set {name} has {len(ps)} usable prompts, {needed} needed")
 
     rec = Recorder(args.out, dict(
         git_rev=git_rev(),
@@ -1074,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
         engine_process=args.engine_process, batch_invariant=args.batch_invariant,
-        cell_mode=args.cell_mode, greedy_exact=greedy_exact(suite.dtype, args.eager),
+        cell_mode=args.cell_mode, min_waves=args.min_waves, greedy_exact=greedy_exact(suite.dtype, args.eager),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
     ))

@@ -13,6 +13,7 @@ from bench.run import (
     compare_greedy,
     parse_config,
     percentile,
+    cycled,
     requests_for,
     spec_counters,
 )
@@ -86,6 +87,9 @@ def test_percentile_and_waves():
     assert requests_for(4, 8) == 8
     assert requests_for(16, 8) == 16
     assert requests_for(5, 8) == 10
+    assert requests_for(16, 64, min_waves=4) == 64
+    assert requests_for(64, 64, min_waves=4) == 256
+    assert cycled([[1], [2], [3]], 5) == [[1], [2], [3], [1], [2]]
 
 
 def _metric(name, value=None, values=None):
@@ -235,6 +239,10 @@ def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
     assert (summary["prefill_steps"], summary["decode_steps"]) == (5, 11)
     assert summary["prefill_step_ms_p50"] == pytest.approx(1.0)
     assert summary["decode_step_ms_p50"] == pytest.approx(1.0)
+    # The last request (5) is submitted when 4 finishes, at step 11: by then 0, 1, 2 and
+    # 4 are done (4 + 8 + 2 + 3 tokens) and 3 has 5 of its 6; the drain after it is out.
+    assert summary["full_concurrency_s"] == pytest.approx(0.011)
+    assert summary["full_concurrency_tokens_per_s"] == pytest.approx(22 / 0.011)
 
 
 def test_step_intervals_split_steps_that_prefill_a_joining_request():
