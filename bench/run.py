@@ -121,7 +121,12 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
 # decoding on the attention backend DDTree verifies on, which separates the backend's
 # cost from speculation's.
 # Values are tuples of pairs (hashable, like the config); the engine gets a dict.
-CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),))}
+# "+cg1024" / "+cg2048": CUDA graphs captured up to that many tokens (vLLM's default
+# stops at 512, or 2 x max_num_seqs for plain decoding): a step that prefills a joining
+# request beside 512 tokens of trees is larger and otherwise runs without a graph.
+CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),)),
+                       **{f"cg{n}": ("compilation_config", (("max_cudagraph_capture_size", n),))
+                          for n in (1024, 2048)}}
 
 
 def parse_config(name: str) -> BenchConfig:
