@@ -301,6 +301,58 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
         )
 
 
+# The most tokens DDTree's default CUDA graphs reach (ddtree_cudagraph_capture_size).
+MAX_DEFAULT_CUDAGRAPH_TOKENS = 1024
+
+
+def largest_decode_step_tokens(spec_config: Any, max_num_seqs: int) -> int:
+    """The most tokens a decode-only step verifies: ``max_num_seqs`` full trees, or
+    the largest step of the batch-size schedule."""
+    schedule = getattr(spec_config, "num_speculative_tokens_per_batch_size", None)
+    if not schedule:
+        return (spec_config.num_speculative_tokens + 1) * max_num_seqs
+    return max((budget + 1) * min(last, max_num_seqs)
+               for first, last, budget in schedule if first <= max_num_seqs)
+
+
+def ddtree_cudagraph_capture_size(vllm_config: Any) -> int | None:
+    """DDTree's default ``max_cudagraph_capture_size``, set before vLLM derives the
+    capture sizes from it (patch config_ddtree-cuda-graphs-for-joining-requests);
+    returns it, or None where vLLM's own default stands.
+
+    vLLM captures graphs up to twice a decode step but never past 512 tokens. Under
+    DDTree's 512-token schedule a decode step alone reaches 512, so a step that also
+    prefills a joining request ran without graphs: on the H200 benchmark pair at 64
+    concurrent requests those steps, one in three, cost 23 ms (HumanEval) against
+    12 ms with graphs up to 1024 tokens, and tokens/s rose from 5960 to 11700
+    (docs/benchmarks.md, session 11). The default is therefore twice the largest
+    decode step (rounded up to 16 tokens), at most :data:`MAX_DEFAULT_CUDAGRAPH_TOKENS` (capture time and
+    memory grow with it; 2048 measured no better) and at most max_num_batched_tokens.
+    Sizes the user gave (max_cudagraph_capture_size or cudagraph_capture_sizes) are
+    kept, and eager engines have no graphs."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != DDTREE_METHOD:
+        return None
+    compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return None
+    if (compilation.max_cudagraph_capture_size is not None
+            or compilation.cudagraph_capture_sizes is not None):
+        return None
+    # Rounded up to vLLM's 16-token steps above 256, so that the largest size is captured.
+    twice = -(-2 * largest_decode_step_tokens(spec, scheduler.max_num_seqs) // 16) * 16
+    size = min(twice, MAX_DEFAULT_CUDAGRAPH_TOKENS, scheduler.max_num_batched_tokens)
+    if size <= DEFAULT_MAX_CUDAGRAPH_TOKENS:
+        return None  # within vLLM's own default
+    compilation.max_cudagraph_capture_size = size
+    logger.info("ddtree: CUDA graphs captured up to %d tokens (twice the largest decode "
+                "step, at most %d), so that steps prefilling a joining request beside "
+                "the trees replay one; set compilation_config.max_cudagraph_capture_size "
+                "to change it.", size, MAX_DEFAULT_CUDAGRAPH_TOKENS)
+    return size
+
+
 def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
     """Warn (and return the message) when a full batch of full trees verifies more
     tokens per forward than the largest CUDA graph and no batch-size schedule shrinks

@@ -471,3 +471,65 @@ def test_trees_outgrowing_cuda_graphs_are_warned_about(model_dirs, target_config
     eager = cfg(spec, 64)
     eager.model_config = types.SimpleNamespace(enforce_eager=True)
     assert warn_if_trees_outgrow_cuda_graphs(eager) is None
+
+
+def _graph_config(target_config, spec, max_num_seqs=64, max_num_batched_tokens=8192, **compilation):
+    cfg = _engine_config(target_config, spec, scheduler_config=SchedulerConfig(
+        max_model_len=target_config.max_model_len, is_encoder_decoder=False,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        async_scheduling=True))
+    cfg.compilation_config = CompilationConfig(**compilation)
+    return cfg
+
+
+def _derived_capture_sizes(cfg):
+    """vLLM's own derivation of the capture sizes, as VllmConfig runs it right after
+    the DDTree hook (patch config_ddtree-cuda-graphs-for-joining-requests)."""
+    cfg.performance_mode = "throughput"
+    VllmConfig._set_cudagraph_sizes(cfg)
+    return cfg.compilation_config.cudagraph_capture_sizes
+
+
+def test_ddtree_graphs_reach_past_a_full_step_of_trees(model_dirs, target_config):
+    """A 512-token schedule fills up to 510 tokens with trees alone (30 trees of 17);
+    a step that also prefills a joining request needs larger graphs than vLLM's
+    default 512."""
+    from vllm_ddtree.config import ddtree_cudagraph_capture_size, largest_decode_step_tokens
+
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                 ddtree_tokens_per_step=512)
+    assert largest_decode_step_tokens(spec, 64) == 510
+    cfg = _graph_config(target_config, spec)
+    assert ddtree_cudagraph_capture_size(cfg) == 1024  # 1020 on vLLM's 16-token steps
+    sizes = _derived_capture_sizes(cfg)
+    assert sizes[-1] == 1024 and 528 in sizes
+    assert cfg.compilation_config.max_cudagraph_capture_size == 1024
+    # Within max_num_batched_tokens.
+    assert ddtree_cudagraph_capture_size(_graph_config(target_config, spec,
+                                                       max_num_batched_tokens=768)) == 768
+
+
+def test_ddtree_graph_default_keeps_what_vllm_or_the_user_chose(model_dirs, target_config):
+    from vllm_ddtree.config import ddtree_cudagraph_capture_size
+
+    spec = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                 ddtree_tokens_per_step=512)
+    # The user's sizes stand.
+    given = _graph_config(target_config, spec, max_cudagraph_capture_size=256)
+    assert ddtree_cudagraph_capture_size(given) is None
+    assert _derived_capture_sizes(given)[-1] == 256
+    assert ddtree_cudagraph_capture_size(
+        _graph_config(target_config, spec, cudagraph_capture_sizes=[1, 2, 4])) is None
+    # One request: twice its 65-token tree is within vLLM's default.
+    assert ddtree_cudagraph_capture_size(_graph_config(target_config, spec, max_num_seqs=1)) is None
+    # Drafting off from 8 requests: the largest decode step is 7 trees of 65 tokens,
+    # twice that (910) rounded up to vLLM's 16-token steps above 256.
+    off = _spec(target_config, model_dirs["drafter"], num_speculative_tokens=64,
+                ddtree_disable_by_batch_size=8)
+    assert ddtree_cudagraph_capture_size(_graph_config(target_config, off)) == 912
+    # Eager engines capture nothing; other methods are not DDTree's to size.
+    eager = _graph_config(target_config, spec)
+    eager.model_config = types.SimpleNamespace(enforce_eager=True)
+    assert ddtree_cudagraph_capture_size(eager) is None
+    chain = _graph_config(target_config, types.SimpleNamespace(method="dflash"))
+    assert ddtree_cudagraph_capture_size(chain) is None
