@@ -44,7 +44,8 @@
 #   bash bench/gpu_session.sh steady   # constant concurrency (--cell-mode steady): no-spec, trees,
 #                                      # drafting off from 32, batch 4-64, T=0
 #                                      # (STEADY_CONFIGS, STEADY_BATCH_SIZES, STEADY_ROUNDS,
-#                                      # STEADY_MIN_WAVES: generations of BATCH requests;
+#                                      # STEADY_MIN_WAVES: generations of BATCH requests,
+#                                      # STEADY_LENGTHS=varied: 0.5-1.5x the new tokens;
 #                                      # STEADY_PROFILE=1: DDTree's per-stage step times)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
@@ -295,6 +296,7 @@ case "$step" in
     fixture_bench steady 560 --cell-mode steady --configs "${sconfigs[@]}" \
       --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats 2 --min-requests 64 \
       --engine-rounds "${STEADY_ROUNDS:-1}" --min-waves "${STEADY_MIN_WAVES:-1}" \
+      --output-lengths "${STEADY_LENGTHS:-fixed}" \
       --time-budget-s 540 --engine-estimate-s 110 \
       ${STEADY_PROFILE:+--profile-dir "$OUT"}
     ;;

@@ -780,16 +780,36 @@ class CellTimes:
         return None
 
 
-def _sampling_params(temperature: float, max_tokens: int, seed_index: int, dummy: bool):
+OUTPUT_LENGTHS = ("fixed", "varied")
+
+
+def request_max_tokens(max_tokens: int, index: int, lengths: str = "fixed") -> int:
+    """The new tokens request ``index`` of a cell asks for. "fixed": ``max_tokens`` for
+    every request (so plain decoding's requests of a generation finish in the same
+    step and the next ones join together). "varied": between 0.5x and 1.5x
+    ``max_tokens``, drawn per index (the same in every configuration and run), so
+    requests finish apart and join one by one for every configuration alike, as a
+    server's traffic does."""
+    if lengths == "fixed":
+        return max_tokens
+    if lengths != "varied":
+        raise ValueError(f"output lengths {lengths!r}: use one of {OUTPUT_LENGTHS}")
+    return max(1, round(max_tokens * random.Random(7919 + index).uniform(0.5, 1.5)))
+
+
+def _sampling_params(temperature: float, max_tokens: int, seed_index: int, dummy: bool,
+                     lengths: str = "fixed"):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+    return SamplingParams(temperature=temperature,
+                          max_tokens=request_max_tokens(max_tokens, seed_index, lengths),
+                          ignore_eos=True,
                           seed=(1000 + seed_index) if temperature > 0 else None,
                           detokenize=not dummy)
 
 
 def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
-             dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+             dummy: bool, lengths: str = "fixed") -> tuple[list[list[int]], dict, SpecCounters]:
     """Waves: ``batch`` requests at a time, one ``generate`` call each; a wave ends with
     its slowest request."""
     before = spec_counters(llm.get_metrics())
@@ -799,7 +819,8 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):
         wave = prompts[w:w + batch]
-        sps = [_sampling_params(temperature, max_tokens, w + i, dummy) for i in range(len(wave))]
+        sps = [_sampling_params(temperature, max_tokens, w + i, dummy, lengths)
+               for i in range(len(wave))]
         # The engine core stamps requests with time.monotonic(), one clock for every
         # process of the machine: the wave's edges are comparable with its stamps.
         tw, tw_mono = time.perf_counter(), time.monotonic()
@@ -821,7 +842,8 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
 
 
 def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: float,
-                    max_tokens: int, dummy: bool) -> tuple[list[list[int]], dict, SpecCounters]:
+                    max_tokens: int, dummy: bool,
+                    lengths: str = "fixed") -> tuple[list[list[int]], dict, SpecCounters]:
     """Constant concurrency: ``batch`` requests in flight from the start, a new one
     added as soon as one finishes (as a server with ``batch`` busy clients), all in
     one engine loop; only the last ``batch`` requests drain. Outputs in prompt order.
@@ -845,7 +867,8 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
         given = f"{cell}-{i}"
         # Outputs carry the id given (vLLM 0.26); add_request returns its internal one.
         internal = engine.add_request(given, {"prompt_token_ids": prompts[i]},
-                                      _sampling_params(temperature, max_tokens, i, dummy))
+                                      _sampling_params(temperature, max_tokens, i, dummy,
+                                                       lengths))
         index_of[given] = index_of[internal or given] = i
 
     # At most `batch` in flight by construction: one submitted per one finished.
@@ -962,7 +985,8 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
         for temp in suite.temperatures:
             for batch in suite.batch_sizes:
                 reqs = cycled(prompts, requests_for(batch, suite.min_requests, args.min_waves))
-                runs = [cell_runner(llm, reqs, batch, temp, suite.max_tokens, suite.dummy)
+                runs = [cell_runner(llm, reqs, batch, temp, suite.max_tokens, suite.dummy,
+                                    args.output_lengths)
                         for _ in range(args.repeats)]
                 outs = runs[0][0]  # the repeats generate the same tokens
                 key = (set_name, batch, temp)
@@ -1041,6 +1065,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                     help="vLLM's asynchronous scheduling (auto: vLLM's default, on for "
                          "DFlash and DDTree)")
+    ap.add_argument("--output-lengths", choices=OUTPUT_LENGTHS, default="fixed",
+                    help="fixed: every request generates --max-tokens (ignore_eos); varied: "
+                         "0.5-1.5x that, drawn per request index, the same for every config "
+                         "(requests then finish and join apart for plain decoding too)")
     ap.add_argument("--min-waves", type=int, default=1,
                     help="at least this many waves of BATCH requests per cell (steady: "
                          "generations), prompts repeated when a set has too few")
@@ -1109,7 +1137,8 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
         engine_process=args.engine_process, batch_invariant=args.batch_invariant,
-        cell_mode=args.cell_mode, min_waves=args.min_waves, greedy_exact=greedy_exact(suite.dtype, args.eager),
+        cell_mode=args.cell_mode, min_waves=args.min_waves,
+        output_lengths=args.output_lengths, greedy_exact=greedy_exact(suite.dtype, args.eager),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
     ))

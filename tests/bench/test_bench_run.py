@@ -245,6 +245,40 @@ def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
     assert summary["full_concurrency_tokens_per_s"] == pytest.approx(22 / 0.011)
 
 
+def test_varied_output_lengths_are_per_request_and_the_same_for_every_config(monkeypatch):
+    import types
+
+    from bench import run
+
+    assert [run.request_max_tokens(128, i) for i in range(3)] == [128] * 3
+    varied = [run.request_max_tokens(128, i, "varied") for i in range(200)]
+    assert varied == [run.request_max_tokens(128, i, "varied") for i in range(200)]
+    assert min(varied) >= 64 and max(varied) <= 192 and len(set(varied)) > 50
+    assert 115 <= sum(varied) / len(varied) <= 141  # about max_tokens on average
+    with pytest.raises(ValueError, match="output lengths 'long'"):
+        run.request_max_tokens(128, 0, "long")
+
+    # A steady cell asks each request for its own length.
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    engine = FakeSteadyEngine(clock, [1000] * 6)
+    asked = {}
+    add = engine.add_request
+
+    def add_request(request_id, prompt, params):
+        i = int(request_id.rsplit("-", 1)[1])
+        asked[i] = params.max_tokens
+        engine.lengths[i] = params.max_tokens  # the fake stops there, as vLLM does
+        return add(request_id, prompt, params)
+
+    engine.add_request = add_request
+    llm = types.SimpleNamespace(llm_engine=engine, get_metrics=lambda: [])
+    outputs, summary, _ = run.run_cell_steady(llm, [[i] for i in range(6)], 2, 0.0, 8,
+                                              dummy=True, lengths="varied")
+    assert asked == {i: run.request_max_tokens(8, i, "varied") for i in range(6)}
+    assert [len(o) for o in outputs] == [asked[i] for i in range(6)]
+
+
 def test_step_intervals_split_steps_that_prefill_a_joining_request():
     import types
 
@@ -518,7 +552,7 @@ def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "_engine", lambda args, suite, target, drafter, cfg: (fake_llm, None))
     monkeypatch.setattr(run, "_free", lambda llm: None)
 
-    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy):
+    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
         calls.append((len(prompts), batch, temperature, max_tokens))
         wall = 1.0 + 0.5 * (len(calls) % 2)
         summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
@@ -560,7 +594,7 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
     monkeypatch.setattr(run, "_engine", fake_engine)
     monkeypatch.setattr(run, "_free", lambda llm: None)
 
-    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy):
+    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
         calls.append(engines[-1])
         # Each engine its own speed: the first engine of a config 1 s per cell, the second 2 s.
         wall = 1.0 if engines.count(engines[-1]) == 1 else 2.0
@@ -613,7 +647,8 @@ def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypa
 
     monkeypatch.setattr(run, "_engine", fake_engine)
     monkeypatch.setattr(run, "_free", lambda llm: None)
-    monkeypatch.setattr(run, "run_cell", lambda llm, prompts, batch, temperature, max_tokens, dummy: (
+    monkeypatch.setattr(run, "run_cell", lambda llm, prompts, batch, temperature, max_tokens,
+                        dummy, lengths="fixed": (
         [[1] * max_tokens for _ in prompts],
         run.cell_summary([[1] * max_tokens for _ in prompts], 1.0, [1.0] * len(prompts), [0.001]),
         run.SpecCounters(2, 30, 1, [1])))
