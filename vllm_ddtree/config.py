@@ -376,9 +376,10 @@ def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
         f"ddtree: with num_speculative_tokens={spec.num_speculative_tokens} and "
         f"max_num_seqs={scheduler.max_num_seqs} a step can verify {worst} tokens, more "
         f"than the largest CUDA graph ({cap} tokens); such steps run without CUDA graphs "
-        f"and their forward costs several times more. Set ddtree_tokens_per_step={cap} "
-        "(or lower, near your target's knee) to shrink the trees as the batch grows, or "
-        "lower max_num_seqs (docs/operations.md, 'Choosing the budget')."
+        f"and their forward costs several times more. Set ddtree_tokens_per_step={cap // 2} "
+        "(half the largest graph, leaving room for a joining request's prompt; or lower, "
+        "near your target's knee) to shrink the trees as the batch grows, or lower "
+        "max_num_seqs (docs/operations.md, 'Choosing the budget')."
     )
     logger.warning(message)
     return message
