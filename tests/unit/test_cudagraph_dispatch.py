@@ -22,16 +22,21 @@ from vllm_ddtree.budget import budget_schedule
 cudagraph_utils = pytest.importorskip("vllm.v1.worker.gpu.cudagraph_utils")
 CUDAGraphMode = pytest.importorskip("vllm.config").CUDAGraphMode
 
-# vLLM's default capture sizes up to 512 tokens.
-CAPTURE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+
+def default_capture_sizes(largest: int) -> list[int]:
+    """vLLM's default capture sizes up to ``largest`` tokens."""
+    return [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, largest + 1, 16))
+
+
+CAPTURE_SIZES = default_capture_sizes(512)
 
 
 def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_reqs: int = 64,
-                  mode=CUDAGraphMode.FULL_AND_PIECEWISE):
+                  mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=CAPTURE_SIZES):
     """A CudaGraphManager with only what candidate staging and dispatch read."""
     manager = object.__new__(cudagraph_utils.CudaGraphManager)
     manager.compilation_config = types.SimpleNamespace(
-        cudagraph_capture_sizes=CAPTURE_SIZES, max_cudagraph_capture_size=max(CAPTURE_SIZES))
+        cudagraph_capture_sizes=capture_sizes, max_cudagraph_capture_size=max(capture_sizes))
     manager.max_num_reqs = max_num_reqs
     manager.decode_query_len = decode_query_len
     manager.cudagraph_mode = mode
@@ -120,3 +125,20 @@ def test_one_query_length_that_skips_capture_sizes_keeps_mixed_steps_on_graphs()
         assert desc.num_tokens == min(s for s in CAPTURE_SIZES if s >= num_tokens)
     desc = manager.dispatch(3, 9, 3, 0)
     assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens == 9
+
+
+def test_with_ddtrees_default_graphs_a_joining_prompt_beside_full_trees_replays_one():
+    """Patch config_ddtree-cuda-graphs-for-joining-requests: graphs up to 1024 tokens
+    under the 512-token schedule. A step of up to 510 tokens of trees plus a joining
+    prompt replays the smallest piecewise graph that holds it, and the decode shapes
+    keep their FULL graphs."""
+    sizes = default_capture_sizes(1024)
+    manager = graph_manager(65, 64, budget_schedule(512, 64), capture_sizes=sizes)
+    for num_tokens in range(2, 1025):
+        desc = manager.dispatch(2, num_tokens, None, 0)
+        assert desc.cg_mode == CUDAGraphMode.PIECEWISE, num_tokens
+        assert desc.num_tokens == min(s for s in sizes if s >= num_tokens)
+    for first, last, budget in budget_schedule(512, 64):
+        for num_reqs in range(first, min(last, 64) + 1):
+            desc = manager.dispatch(num_reqs, num_reqs * (budget + 1), budget + 1, 0)
+            assert desc.cg_mode == CUDAGraphMode.FULL, (num_reqs, budget)
