@@ -38,13 +38,17 @@ def _verified_all_steps(row: dict) -> float | None:
     return all_steps_fields(row).get("verified_tokens_per_forward_all_steps")
 
 
-def _fmt_cell(row: dict) -> str:
-    """tokens/s (tau), and with several engine rounds each engine's tokens/s in brackets."""
+def _fmt_cell(row: dict, steps: bool = False) -> str:
+    """tokens/s (tau), and with several engine rounds each engine's tokens/s in brackets;
+    with ``steps`` (steady cells), then the steps that prefilled a joining request: p50
+    ms x count."""
     text = f"{row['output_tokens_per_s']:.0f}"
     if row.get("tau"):
         text += f" ({row['tau']:.2f})"
     if row.get("output_tokens_per_s_engines"):
         text += " [" + " / ".join(f"{v:.0f}" for v in row["output_tokens_per_s_engines"]) + "]"
+    if steps and row.get("prefill_step_ms_p50") is not None:
+        text += f" / {row['prefill_step_ms_p50']:.1f} x {row.get('prefill_steps', '?')}"
     return text
 
 
@@ -86,9 +90,11 @@ def _ratio(tree: dict, other: dict) -> str:
     return text
 
 
-def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "no-spec") -> str:
+def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "no-spec",
+                    steps: bool = False) -> str:
     """The tables for one result document (``bench/run.py --out``). Cells a run did not
-    measure are shown as "-" and left out of the ratios."""
+    measure are shown as "-" and left out of the ratios. ``steps``: each cell also
+    shows its prefilling steps (:func:`_fmt_cell`)."""
     cells = {(r["config"], r["prompt_set"], float(r["temperature"]), int(r["batch_size"])): r
              for r in doc.get("results", []) if "output_tokens_per_s" in r}
     if not cells:
@@ -105,7 +111,8 @@ def markdown_tables(doc: dict, ddtree: str, chains: list[str], baseline: str = "
                     "| config | " + " | ".join(f"batch {b}" for b in batches) + " |",
                     "|---|" + "---|" * len(batches)]
             for cfg in configs:
-                row = [_fmt_cell(cells[(cfg, pset, temp, b)]) if (cfg, pset, temp, b) in cells
+                row = [_fmt_cell(cells[(cfg, pset, temp, b)], steps)
+                       if (cfg, pset, temp, b) in cells
                        else "-" for b in batches]
                 out.append(f"| {cfg} | " + " | ".join(row) + " |")
             vs_chain, vs_base, verified = [], [], []
@@ -137,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chains", nargs="+", default=["dflash"],
                     help="chain configurations; ratios use the best of them per cell")
     ap.add_argument("--baseline", default="no-spec")
+    ap.add_argument("--steps", action="store_true",
+                    help="steady cells: also each cell's steps that prefilled a joining "
+                         "request (p50 ms x count)")
     args = ap.parse_args(argv)
     docs = [read_json(path) for path in args.results]
     try:
         doc = docs[0] if len(docs) == 1 else merge_results(docs, args.results)
-        print(markdown_tables(doc, args.ddtree, args.chains, args.baseline))
+        print(markdown_tables(doc, args.ddtree, args.chains, args.baseline, args.steps))
     except ValueError as exc:
         print(f"tables: {exc}", file=sys.stderr)
         return 2

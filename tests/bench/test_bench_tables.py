@@ -119,3 +119,16 @@ def test_main_reads_a_gzipped_result_as_the_plain_one(tmp_path, capsys):
     from_plain = capsys.readouterr().out
     assert main([str(packed), "--ddtree", "ddtree"]) == 0
     assert capsys.readouterr().out == from_plain and "| no-spec | 500 | 2000 |" in from_plain
+
+
+def test_steps_show_each_steady_cells_prefilling_steps():
+    rows = [dict(_cell("no-spec", 64, 19073.0), prefill_step_ms_p50=32.8906, prefill_steps=9),
+            dict(_cell("ddtree", 64, 5960.0, 1.59), prefill_step_ms_p50=23.4408,
+                 prefill_steps=101),
+            _cell("dflash", 64, 10550.0, 1.41)]  # a waves cell: nothing to add
+    lines = markdown_tables({"results": rows}, "ddtree", ["dflash"], steps=True).splitlines()
+    assert "| no-spec | 19073 / 32.9 x 9 |" in lines
+    assert "| ddtree | 5960 (1.59) / 23.4 x 101 |" in lines
+    assert "| dflash | 10550 (1.41) |" in lines
+    plain = markdown_tables({"results": rows}, "ddtree", ["dflash"]).splitlines()
+    assert "| no-spec | 19073 |" in plain
