@@ -9,8 +9,8 @@ only. With ``"auto"`` the engine measures it instead:
 
 1. After vLLM's memory profiling and before the KV cache and CUDA graphs exist, the
    engine core asks every worker to time the target's forward over a grid of token
-   counts (powers of two up to what a step can verify, never past the largest CUDA
-   graph), through the runner's own dummy run without attention (the profiling path;
+   counts (powers of two up to what a step can verify, never past half the largest
+   CUDA graph, :func:`token_target_bound`), through the runner's own dummy run without attention (the profiling path;
    the drafter is left out: its cost does not depend on the tree budget). Two RPCs:
    :func:`forward_queueing_ms` (how long each host needs to queue a forward) and
    :func:`measure_target_forward_ms` (the timing, behind a spin every rank gets the
@@ -131,6 +131,17 @@ def largest_cuda_graph_tokens(vllm_config: Any) -> int | None:
     if mode is not None and getattr(mode, "name", str(mode)) == "NONE":
         return None
     return getattr(compilation, "max_cudagraph_capture_size", None) or None
+
+
+def token_target_bound(largest_graph_tokens: int | None) -> int | None:
+    """The most tokens per step "auto" may choose: half the largest CUDA graph, so that
+    a step that admits a joining request (its prompt beside a full step of trees) still
+    replays a graph (DDTree's default graphs are twice its largest decode step,
+    :func:`vllm_ddtree.config.ddtree_cudagraph_capture_size`; a prompt of more than the
+    other half runs eagerly, as in any engine). None: no graphs, no bound."""
+    if largest_graph_tokens is None:
+        return None
+    return max(1, largest_graph_tokens // 2)
 
 
 class CudaStream:
@@ -283,7 +294,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     budget = spec.num_speculative_tokens
     sched = vllm_config.scheduler_config
     counts = measurement_token_counts(sched.max_num_batched_tokens, sched.max_num_seqs, budget,
-                                      largest_cuda_graph_tokens(vllm_config))
+                                      token_target_bound(largest_cuda_graph_tokens(vllm_config)))
     try:
         host = engine_core.collective_rpc(forward_queueing_ms, args=(counts,))
         spin_ms = SPIN_PER_HOST_MS * max(max(h.values()) for h in host) + SPIN_SLACK_MS

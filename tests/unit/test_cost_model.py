@@ -20,6 +20,7 @@ from vllm_ddtree.cost_model import (
     measure_target_forward_ms,
     measure_tokens_per_step,
     measurement_token_counts,
+    token_target_bound,
 )
 
 
@@ -29,6 +30,9 @@ def test_the_grid_stops_at_what_a_step_can_verify():
     assert measurement_token_counts(8192, 4, 15, 512) == [1, 2, 4, 8, 16, 32, 64]
     assert measurement_token_counts(100, 256, 64, None) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert measurement_token_counts(8192, 1, 1, None) == [1, 2]
+    # "auto" measures up to half the largest graph: room for a joining prompt.
+    assert token_target_bound(1024) == 512 and token_target_bound(1) == 1
+    assert token_target_bound(None) is None
     with pytest.raises(ValueError, match="positive sizes"):
         measurement_token_counts(8192, 0, 64, 512)
 
@@ -243,7 +247,9 @@ def _vllm_config(auto=True, first_disabled=None, enforce_eager=False):
         speculative_config=spec,
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192, max_num_seqs=256),
         model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
-        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=512,
+        # DDTree's default graphs for this engine (twice its largest decode step, at
+        # most 1024 tokens: vllm_ddtree.config.ddtree_cudagraph_capture_size).
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=1024,
                                                  cudagraph_mode=None))
 
 
@@ -289,11 +295,12 @@ def test_the_engine_core_applies_rank_zeros_knee_everywhere(monkeypatch, first_d
         runner = w.model_runner
         assert runner.vllm_config.speculative_config.num_speculative_tokens_per_batch_size == expected
         assert runner.speculator.refreshed == 1
-        # The grid stops at the largest CUDA graph (512 tokens).
+        # The grid stops at half the largest CUDA graph (1024 tokens): room for a
+        # joining request's prompt beside a full step of trees.
         assert max(runner.runs) == 512
 
 
-def test_a_flat_curve_takes_the_largest_graph_and_eager_the_whole_grid(monkeypatch):
+def test_a_flat_curve_takes_half_the_largest_graph_and_eager_the_whole_grid(monkeypatch):
     stream = _gpu(monkeypatch)
     core = FakeEngineCore([_worker(stream, lambda n: 5.0)])
     assert measure_tokens_per_step(core, _vllm_config()) == 512
