@@ -965,8 +965,12 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
         print(f"engine {cfg.name} failed: {exc!r}", flush=True)
         return
     sched = llm.llm_engine.vllm_config.scheduler_config
+    compilation = getattr(llm.llm_engine.vllm_config, "compilation_config", None)
     eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
            "async_scheduling": getattr(sched, "async_scheduling", None),
+           # The largest CUDA graph the engine captured (DDTree's default: patch 9).
+           "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size",
+                                                 None),
            "speculative_config": cfg.speculative_config(drafter)}
     if report and os.path.exists(report):
         # -tauto: what the engine core measured (the front end keeps the provisional schedule).

@@ -637,7 +637,8 @@ def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypa
     import bench.run as run
 
     fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
-        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+        scheduler_config=types.SimpleNamespace(async_scheduling=True),
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=1024))))
 
     def fake_engine(args, suite, target, drafter, cfg):
         path = dict(cfg.env)["VLLM_DDTREE_COST_MODEL_REPORT"]
@@ -658,6 +659,7 @@ def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypa
     engine = json.loads(out.read_text())["engines"][0]
     assert engine["config"] == "ddtree-b64-tauto"
     assert engine["cost_model"] == {"tokens_per_step": 256, "budget_schedule": [[1, 3, 64]]}
+    assert engine["max_cudagraph_capture_size"] == 1024  # the graphs it captured
 
 
 def test_a_cell_reports_the_engine_with_the_fewest_identical_outputs():
