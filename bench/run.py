@@ -901,8 +901,9 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
     delta = spec_counters(llm.get_metrics()).minus(before)
     summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts)
     if full_concurrency is not None and full_concurrency[0] > 0:
-        summary["full_concurrency_s"] = round(full_concurrency[0], 4)
-        summary["full_concurrency_tokens_per_s"] = round(full_concurrency[1] / full_concurrency[0], 2)
+        seconds, tokens = full_concurrency
+        summary["full_concurrency_s"] = round(seconds, 4)
+        summary["full_concurrency_tokens_per_s"] = round(tokens / seconds, 2)
     return outputs, {**summary, **intervals.summary()}, delta
 
 

@@ -326,8 +326,9 @@ def ddtree_cudagraph_capture_size(vllm_config: Any) -> int | None:
     concurrent requests those steps, one in three, cost 23 ms (HumanEval) against
     12 ms with graphs up to 1024 tokens, and tokens/s rose from 5960 to 11700
     (docs/benchmarks.md, session 11). The default is therefore twice the largest
-    decode step (rounded up to 16 tokens), at most :data:`MAX_DEFAULT_CUDAGRAPH_TOKENS` (capture time and
-    memory grow with it; 2048 measured no better) and at most max_num_batched_tokens.
+    decode step (rounded up to 16 tokens), at most :data:`MAX_DEFAULT_CUDAGRAPH_TOKENS`
+    (capture time and memory grow with it; 2048 measured no better) and at most
+    max_num_batched_tokens.
     Sizes the user gave (max_cudagraph_capture_size or cudagraph_capture_sizes) are
     kept, and eager engines have no graphs."""
     spec = vllm_config.speculative_config

@@ -10,8 +10,9 @@ only. With ``"auto"`` the engine measures it instead:
 1. After vLLM's memory profiling and before the KV cache and CUDA graphs exist, the
    engine core asks every worker to time the target's forward over a grid of token
    counts (powers of two up to what a step can verify, never past half the largest
-   CUDA graph, :func:`token_target_bound`), through the runner's own dummy run without attention (the profiling path;
-   the drafter is left out: its cost does not depend on the tree budget). Two RPCs:
+   CUDA graph, :func:`token_target_bound`), through the runner's own dummy run
+   without attention (the profiling path; the drafter is left out: its cost does not
+   depend on the tree budget). Two RPCs:
    :func:`forward_queueing_ms` (how long each host needs to queue a forward) and
    :func:`measure_target_forward_ms` (the timing, behind a spin every rank gets the
    same length of).
