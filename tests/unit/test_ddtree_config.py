@@ -534,3 +534,16 @@ def test_ddtree_graph_default_keeps_what_vllm_or_the_user_chose(model_dirs, targ
     assert ddtree_cudagraph_capture_size(eager) is None
     chain = _graph_config(target_config, types.SimpleNamespace(method="dflash"))
     assert ddtree_cudagraph_capture_size(chain) is None
+
+
+def test_the_graph_default_runs_before_vllm_derives_the_capture_sizes():
+    """The hook (patch config_ddtree-cuda-graphs-for-joining-requests) must come before
+    VllmConfig._set_cudagraph_sizes, which turns max_cudagraph_capture_size into the
+    captured sizes; VllmConfig cannot be built without a GPU platform, so its source
+    is read."""
+    import inspect
+
+    source = inspect.getsource(VllmConfig.__post_init__)
+    hook = source.find("ddtree_cudagraph_capture_size(self)")
+    assert hook != -1, "the series is not applied to this vLLM"
+    assert hook < source.find("self._set_cudagraph_sizes()")
