@@ -475,7 +475,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if self.profiler is not None:
             # Tokens beyond each request's root and drafts are prompt tokens.
             with_prefill = input_batch.num_tokens > num_reqs + input_batch.num_draft_tokens
-            self.profiler.mark("verify", num_reqs, with_prefill)
+            self.profiler.mark("verify", num_reqs, with_prefill, input_batch.num_tokens)
         if input_batch.num_draft_tokens == 0 and input_batch.num_tokens == num_reqs:
             # One query token per request (decodes without drafts, budget-0 steps):
             # attention reads only bias[r, 0, 0], which is 0 in every tree written

@@ -27,7 +27,9 @@ start-up.
 Steps are grouped by their number of requests; a step that also carries prompt tokens
 (a prefill or a chunk of one, beside the decodes) is grouped apart, as
 ``"<requests>+prefill"``: under constant concurrency a new request joins every few
-steps, and those steps cost more than decode-only ones.
+steps, and those steps cost more than decode-only ones. Each group also lists
+``scheduled_tokens`` (tokens the step's target forward ran: trees, decodes and prompt
+chunks), so a group's cost can be read against its tokens as well as its requests.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class StepProfiler:
         path = os.environ.get(ENV)
         return cls(path) if path else None
 
-    def mark(self, name: str, num_reqs: int | None = None, with_prefill: bool = False) -> None:
+    def mark(self, name: str, num_reqs: int | None = None, with_prefill: bool = False,
+             num_tokens: int | None = None) -> None:
         if torch.cuda.is_current_stream_capturing():
             return
         host = self.clock()
@@ -95,7 +98,8 @@ class StepProfiler:
                 self.current["end"] = ev
                 self.current["host:end"] = host
                 self.pending.append(self.current)
-            self.current = {"group": f"{num_reqs or 0}{'+prefill' if with_prefill else ''}"}
+            self.current = {"group": f"{num_reqs or 0}{'+prefill' if with_prefill else ''}",
+                            "tokens": num_tokens}
             self._resolve()
         self.current[name] = ev
         self.current["host:" + name] = host
@@ -114,6 +118,10 @@ class StepProfiler:
                     times.setdefault(name, []).append(step[a].elapsed_time(step[b]))
                     times.setdefault("host_" + name, []).append(
                         (step["host:" + b] - step["host:" + a]) * 1e3)
+            if step.get("tokens") is not None:
+                # Not a time: the step's scheduled tokens, to tell whether a group's cost
+                # follows its tokens or its requests.
+                times.setdefault("scheduled_tokens", []).append(float(step["tokens"]))
             times.setdefault("step", []).append(step["verify"].elapsed_time(end))
             times.setdefault("host_step", []).append(
                 (step["host:end"] - step["host:verify"]) * 1e3)

@@ -98,8 +98,8 @@ def test_steps_with_prompt_tokens_are_grouped_apart(fake_cuda, tmp_path):
     """A decode step and one that also prefills a joining request land in separate
     groups ("16" and "16+prefill"), listed by request count, decode-only first."""
     prof = StepProfiler(str(tmp_path / "p.json"))
-    for with_prefill, forward in ((False, 3.0), (True, 9.0), (False, 3.0)):
-        prof.mark("verify", 16, with_prefill)
+    for with_prefill, forward, tokens in ((False, 3.0, 272), (True, 9.0, 700), (False, 3.0, 288)):
+        prof.mark("verify", 16, with_prefill, tokens)
         FakeClock.now += forward
     prof.mark("verify", 4)
     FakeClock.now += 1.0
@@ -108,3 +108,7 @@ def test_steps_with_prompt_tokens_are_grouped_apart(fake_cuda, tmp_path):
     assert list(groups) == ["4", "16", "16+prefill"]
     assert groups["16"]["step"]["n"] == 2 and groups["16"]["step"]["mean"] == 3.0
     assert groups["16+prefill"]["step"]["n"] == 1 and groups["16+prefill"]["step"]["mean"] == 9.0
+    # The steps' scheduled tokens beside their times (none given for the batch-4 step).
+    assert groups["16"]["scheduled_tokens"]["mean"] == 280.0
+    assert groups["16+prefill"]["scheduled_tokens"]["p50"] == 700.0
+    assert "scheduled_tokens" not in groups["4"]
