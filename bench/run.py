@@ -927,6 +927,9 @@ class StepIntervals:
         for name, xs in (("decode_step", self.decode), ("prefill_step", self.with_prefill)):
             if xs:
                 out[f"{name}_ms_p50"] = _r(percentile(xs, 50) * 1e3)
+                # The mean too: p50 hides a tail (e.g. a few steps without graphs), and
+                # count x mean is the time those steps took.
+                out[f"{name}_ms_mean"] = _r(statistics.fmean(xs) * 1e3)
                 out[f"{name}s"] = len(xs)
         return out
 

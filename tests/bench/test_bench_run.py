@@ -239,6 +239,7 @@ def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
     assert (summary["prefill_steps"], summary["decode_steps"]) == (5, 11)
     assert summary["prefill_step_ms_p50"] == pytest.approx(1.0)
     assert summary["decode_step_ms_p50"] == pytest.approx(1.0)
+    assert summary["decode_step_ms_mean"] == pytest.approx(1.0)
     # The last request (5) is submitted when 4 finishes, at step 11: by then 0, 1, 2 and
     # 4 are done (4 + 8 + 2 + 3 tokens) and 3 has 5 of its 6; the drain after it is out.
     assert summary["full_concurrency_s"] == pytest.approx(0.011)
@@ -291,8 +292,10 @@ def test_step_intervals_split_steps_that_prefill_a_joining_request():
     iv.add(0.002, [out(5), out(9)])
     iv.add(0.010, [out(6), out(1)])  # a request's first token: its prefill step
     iv.add(0.004, [out(7), out(3)])
-    assert iv.summary() == {"decode_step_ms_p50": 3.0, "decode_steps": 2,
-                            "prefill_step_ms_p50": 10.0, "prefill_steps": 1}
+    iv.add(0.015, [out(8), out(4)])  # a slow decode step: the mean sees it, the p50 not
+    assert iv.summary() == {"decode_step_ms_p50": 4.0, "decode_step_ms_mean": 7.0,
+                            "decode_steps": 3, "prefill_step_ms_p50": 10.0,
+                            "prefill_step_ms_mean": 10.0, "prefill_steps": 1}
     assert StepIntervals().summary() == {}
 
 
