@@ -370,7 +370,7 @@ def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
         return None
     compilation = getattr(vllm_config, "compilation_config", None)
     cap = getattr(compilation, "max_cudagraph_capture_size", None) or DEFAULT_MAX_CUDAGRAPH_TOKENS
-    worst = (spec.num_speculative_tokens + 1) * scheduler.max_num_seqs
+    worst = largest_decode_step_tokens(spec, scheduler.max_num_seqs)  # no schedule here
     if worst <= cap:
         return None
     message = (

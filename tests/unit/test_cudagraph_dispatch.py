@@ -63,28 +63,40 @@ def smallest_full_graph(manager, query_len: int, num_tokens: int) -> int:
                if d.uniform_token_count == query_len and d.num_tokens >= num_tokens)
 
 
-def ddtree_manager(tokens_per_step: int = 512, max_budget: int = 64):
-    return graph_manager(max_budget + 1, max_budget, budget_schedule(tokens_per_step, max_budget))
+def ddtree_manager(tokens_per_step: int = 512, max_budget: int = 64,
+                   capture_sizes=CAPTURE_SIZES):
+    return graph_manager(max_budget + 1, max_budget, budget_schedule(tokens_per_step, max_budget),
+                         capture_sizes=capture_sizes)
 
 
-def test_every_mixed_step_within_the_largest_graph_replays_a_piecewise_graph():
-    manager = ddtree_manager()
-    for num_tokens in range(2, 513):
+# The largest graph: vLLM's default, and DDTree's default under the 512-token schedule
+# (patch config_ddtree-cuda-graphs-for-joining-requests), where a step of up to 510
+# tokens of trees plus a joining prompt must still find a graph.
+LARGEST_GRAPHS = [512, 1024]
+
+
+@pytest.mark.parametrize("largest", LARGEST_GRAPHS)
+def test_every_mixed_step_within_the_largest_graph_replays_a_piecewise_graph(largest):
+    sizes = default_capture_sizes(largest)
+    manager = ddtree_manager(capture_sizes=sizes)
+    for num_tokens in range(2, largest + 1):
         desc = manager.dispatch(2, num_tokens, None, 0)
         assert desc.cg_mode == CUDAGraphMode.PIECEWISE, num_tokens
         # The smallest captured size that holds the batch.
-        assert desc.num_tokens == min(s for s in CAPTURE_SIZES if s >= num_tokens)
-    assert manager.dispatch(2, 600, None, 0).cg_mode == CUDAGraphMode.NONE  # past them all
+        assert desc.num_tokens == min(s for s in sizes if s >= num_tokens)
+    # Past them all.
+    assert manager.dispatch(2, largest + 88, None, 0).cg_mode == CUDAGraphMode.NONE
 
 
-def test_every_scheduled_decode_step_replays_a_full_graph_of_its_query_length():
+@pytest.mark.parametrize("largest", LARGEST_GRAPHS)
+def test_every_scheduled_decode_step_replays_a_full_graph_of_its_query_length(largest):
     schedule = budget_schedule(512, 64)
-    manager = ddtree_manager()
+    manager = ddtree_manager(capture_sizes=default_capture_sizes(largest))
     for first, last, budget in schedule:
         query_len = budget + 1
         for num_reqs in range(first, min(last, 64) + 1):
             num_tokens = num_reqs * query_len
-            if num_tokens > 512:
+            if num_tokens > largest:
                 continue
             desc = manager.dispatch(num_reqs, num_tokens, query_len, 0)
             assert desc.cg_mode == CUDAGraphMode.FULL, (num_reqs, query_len)
@@ -126,19 +138,3 @@ def test_one_query_length_that_skips_capture_sizes_keeps_mixed_steps_on_graphs()
     desc = manager.dispatch(3, 9, 3, 0)
     assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens == 9
 
-
-def test_with_ddtrees_default_graphs_a_joining_prompt_beside_full_trees_replays_one():
-    """Patch config_ddtree-cuda-graphs-for-joining-requests: graphs up to 1024 tokens
-    under the 512-token schedule. A step of up to 510 tokens of trees plus a joining
-    prompt replays the smallest piecewise graph that holds it, and the decode shapes
-    keep their FULL graphs."""
-    sizes = default_capture_sizes(1024)
-    manager = graph_manager(65, 64, budget_schedule(512, 64), capture_sizes=sizes)
-    for num_tokens in range(2, 1025):
-        desc = manager.dispatch(2, num_tokens, None, 0)
-        assert desc.cg_mode == CUDAGraphMode.PIECEWISE, num_tokens
-        assert desc.num_tokens == min(s for s in sizes if s >= num_tokens)
-    for first, last, budget in budget_schedule(512, 64):
-        for num_reqs in range(first, min(last, 64) + 1):
-            desc = manager.dispatch(num_reqs, num_reqs * (budget + 1), budget + 1, 0)
-            assert desc.cg_mode == CUDAGraphMode.FULL, (num_reqs, budget)
