@@ -124,9 +124,14 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
 # "+cg1024" / "+cg2048": CUDA graphs captured up to that many tokens (vLLM's default
 # stops at 512, or 2 x max_num_seqs for plain decoding): a step that prefills a joining
 # request beside 512 tokens of trees is larger and otherwise runs without a graph.
+# "+cgfull": cudagraph_mode FULL, one whole-forward graph for every batch up to the
+# largest size, mixed (prefilling) steps included; vLLM's default FULL_AND_PIECEWISE
+# replays mixed steps piecewise, launching each layer's attention from the host.
+# Flags that set the same argument merge ("+cgfull+cg1024").
 CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),)),
                        **{f"cg{n}": ("compilation_config", (("max_cudagraph_capture_size", n),))
-                          for n in (1024, 2048)}}
+                          for n in (1024, 2048)},
+                       "cgfull": ("compilation_config", (("cudagraph_mode", "FULL"),))}
 
 
 def parse_config(name: str) -> BenchConfig:
@@ -725,8 +730,12 @@ def file_stem(config_name: str) -> str:
 
 
 def config_engine_kwargs(cfg: BenchConfig) -> dict:
-    """The engine arguments a config's flags set (``+tritonattn``)."""
-    return {key: dict(value) for key, value in cfg.engine_args}
+    """The engine arguments a config's flags set (``+tritonattn``); two flags setting
+    the same argument (``+cgfull+cg1024``) merge into one dict."""
+    kwargs: dict = {}
+    for key, value in cfg.engine_args:
+        kwargs.setdefault(key, {}).update(value)
+    return kwargs
 
 
 @contextlib.contextmanager

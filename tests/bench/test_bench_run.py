@@ -712,6 +712,17 @@ def test_an_engine_flag_sets_an_engine_argument_not_the_environment():
         parse_config("no-spec+tritonatn")
 
 
+def test_engine_flags_on_one_argument_merge():
+    from bench.run import config_engine_kwargs
+
+    cfg = parse_config("ddtree-b64-t512+cgfull+cg1024")
+    assert config_engine_kwargs(cfg) == {"compilation_config": {
+        "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 1024}}
+    assert config_engine_kwargs(parse_config("no-spec+tritonattn+cgfull")) == {
+        "attention_config": {"backend": "TRITON_ATTN"},
+        "compilation_config": {"cudagraph_mode": "FULL"}}
+
+
 def test_engine_flags_reach_the_engine_and_refuse_a_clash(monkeypatch):
     import types
 
