@@ -354,6 +354,43 @@ def ddtree_cudagraph_capture_size(vllm_config: Any) -> int | None:
     return size
 
 
+def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
+    """DDTree's default ``cudagraph_mode``, set before vLLM applies its optimization
+    level's defaults (patch config_ddtree-cuda-graphs-for-joining-requests); returns
+    it, or None where the user's or vLLM's own mode stands.
+
+    vLLM's default FULL_AND_PIECEWISE replays whole-forward (FULL) graphs for uniform
+    decode steps only; a step that also prefills a joining request replays piecewise
+    graphs, between which the host launches every layer's attention. With trees on
+    Triton attention that host work made such a forward cost 7.6 ms against 2.1 ms for
+    a decode step of the same tokens (H200 benchmark pair, 64 concurrent requests), and
+    under constant concurrency about one step in three admits a request. Triton's
+    unified attention runs any mix of prefills and trees inside one graph (its CUDA
+    graph support is ALWAYS), so DDTree on it defaults to FULL: one graph per token
+    count for every step up to the largest captured size (docs/benchmarks.md, session
+    12). Kept: a mode the user set, levels whose default has no FULL graphs (O0, O1),
+    eager engines, and trees verified on FlashAttention (``VLLM_DDTREE_TREE_ATTENTION
+    =flash``, whose split is measured with decode-only FULL graphs)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != DDTREE_METHOD:
+        return None
+    model_config = vllm_config.model_config
+    if model_config is not None and getattr(model_config, "enforce_eager", False):
+        return None
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode is not None or level_default != CUDAGraphMode.FULL_AND_PIECEWISE:
+        return None
+    if tree_attention_backend() != TREE_ATTENTION_BACKENDS["triton"]:
+        return None
+    compilation.cudagraph_mode = CUDAGraphMode.FULL
+    logger.info("ddtree: cudagraph_mode FULL, so that steps prefilling a joining request "
+                "beside the trees replay one whole-forward graph instead of piecewise "
+                "graphs; set compilation_config.cudagraph_mode to change it.")
+    return CUDAGraphMode.FULL
+
+
 def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
     """Warn (and return the message) when a full batch of full trees verifies more
     tokens per forward than the largest CUDA graph and no batch-size schedule shrinks

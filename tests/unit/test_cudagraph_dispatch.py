@@ -104,6 +104,29 @@ def test_every_scheduled_decode_step_replays_a_full_graph_of_its_query_length(la
             assert desc.num_tokens == smallest_full_graph(manager, query_len, num_tokens)
 
 
+@pytest.mark.parametrize("largest", LARGEST_GRAPHS)
+def test_under_full_mode_every_step_within_the_largest_graph_replays_a_full_graph(largest):
+    """DDTree's default mode on Triton attention (vllm_ddtree.config.ddtree_cudagraph_mode):
+    a step that prefills a joining request beside the trees replays one whole-forward
+    graph, as decode steps of every scheduled query length do."""
+    sizes = default_capture_sizes(largest)
+    manager = graph_manager(65, 64, budget_schedule(512, 64), mode=CUDAGraphMode.FULL,
+                            capture_sizes=sizes)
+    for num_tokens in range(2, largest + 1):
+        for num_reqs in {1, min(num_tokens, 64) // 2 or 1, min(num_tokens, 64)}:
+            desc = manager.dispatch(num_reqs, num_tokens, None, 0)
+            assert desc.cg_mode == CUDAGraphMode.FULL, (num_reqs, num_tokens)
+            assert desc.num_tokens == min(s for s in sizes if s >= num_tokens)
+            assert desc.num_reqs >= num_reqs
+    for first, last, budget in budget_schedule(512, 64):
+        for num_reqs in range(first, min(last, 64) + 1):
+            num_tokens = num_reqs * (budget + 1)
+            if num_tokens <= largest:
+                desc = manager.dispatch(num_reqs, num_tokens, budget + 1, 0)
+                assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_reqs >= num_reqs
+    assert manager.dispatch(2, largest + 88, None, 0).cg_mode == CUDAGraphMode.NONE
+
+
 @pytest.mark.parametrize("decode_query_len, num_spec", [(1, 0), (16, 15)])
 def test_one_query_length_dispatches_as_before(decode_query_len, num_spec):
     """Plain decoding and the DFlash chain (one decode length): decode batches on FULL
