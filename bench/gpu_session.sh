@@ -47,6 +47,8 @@
 #                                      # STEADY_MIN_WAVES: generations of BATCH requests,
 #                                      # STEADY_LENGTHS=varied: 0.5-1.5x the new tokens;
 #                                      # STEADY_PROFILE=1: DDTree's per-stage step times)
+#   bash bench/gpu_session.sh joins    # float32, requests joining under DDTree's default graphs:
+#                                      # greedy match vs no-spec (JOINS_CONFIGS, JOINS_BATCH_SIZES)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
 #                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS;
@@ -300,6 +302,19 @@ case "$step" in
       --time-budget-s 540 --engine-estimate-s 110 \
       ${STEADY_PROFILE:+--profile-dir "$OUT"}
     ;;
+  joins)
+    # Requests joining mid-flight under DDTree's default graphs (patch 9: cudagraph_mode
+    # FULL on Triton attention), float32: greedy outputs against plain decoding's
+    # (with graphs float32 is not exact, near-ties flip: a match rate, not a gate).
+    prepare
+    read -r -a jconfigs <<< "${JOINS_CONFIGS:-no-spec ddtree-b64-t512}"
+    read -r -a jbatches <<< "${JOINS_BATCH_SIZES:-16 64}"
+    fixture_bench joins-fp32 420 --dtype float32 --cell-mode steady --output-lengths varied \
+      --min-waves 2 --configs "${jconfigs[@]}" --batch-sizes "${jbatches[@]}" \
+      --prompt-sets humaneval --temperatures 0 --repeats 1 --min-requests 64 \
+      --time-budget-s 400 --engine-estimate-s 130
+    grep -h "ddtree: cudagraph_mode\|ddtree: CUDA graphs" "$OUT/bench-joins-fp32.log" | cut -c1-200
+    ;;
   flashtests|flashtree)
     # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
     # test against the dense reference (flashtests stops here), then engines beside
@@ -356,6 +371,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
 esac
 done

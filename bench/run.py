@@ -131,7 +131,10 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
 CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),)),
                        **{f"cg{n}": ("compilation_config", (("max_cudagraph_capture_size", n),))
                           for n in (1024, 2048)},
-                       "cgfull": ("compilation_config", (("cudagraph_mode", "FULL"),))}
+                       "cgfull": ("compilation_config", (("cudagraph_mode", "FULL"),)),
+                       # vLLM's default mode, e.g. DDTree before patch 9 made it FULL
+                       "cgpiecewise": ("compilation_config",
+                                       (("cudagraph_mode", "FULL_AND_PIECEWISE"),))}
 
 
 def parse_config(name: str) -> BenchConfig:
@@ -984,6 +987,8 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
            # The largest CUDA graph the engine captured (DDTree's default: patch 9).
            "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size",
                                                  None),
+           # FULL for DDTree on Triton attention by default (patch 9), as the engine saw it.
+           "cudagraph_mode": getattr(getattr(compilation, "cudagraph_mode", None), "name", None),
            "speculative_config": cfg.speculative_config(drafter)}
     if report and os.path.exists(report):
         # -tauto: what the engine core measured (the front end keeps the provisional schedule).
