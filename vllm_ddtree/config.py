@@ -362,9 +362,10 @@ def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
     vLLM's default FULL_AND_PIECEWISE replays whole-forward (FULL) graphs for uniform
     decode steps only; a step that also prefills a joining request replays piecewise
     graphs, between which the host launches every layer's attention. With trees on
-    Triton attention that host work made such a forward cost 7.6 ms against 2.1 ms for
-    a decode step of the same tokens (H200 benchmark pair, 64 concurrent requests), and
-    under constant concurrency about one step in three admits a request. Triton's
+    Triton attention that host work made such a forward cost 7.6 ms (1.9 ms for a
+    decode step of about the same tokens; 2.1 ms for the same step in one FULL graph;
+    H200 benchmark pair, 64 concurrent requests), and under constant concurrency about
+    one step in three admits a request. Triton's
     unified attention runs any mix of prefills and trees inside one graph (its CUDA
     graph support is ALWAYS), so DDTree on it defaults to FULL: one graph per token
     count for every step up to the largest captured size (docs/benchmarks.md, session
@@ -380,7 +381,9 @@ def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
     if model_config is not None and getattr(model_config, "enforce_eager", False):
         return None
     compilation = vllm_config.compilation_config
-    if compilation.cudagraph_mode is not None or level_default != CUDAGraphMode.FULL_AND_PIECEWISE:
+    if compilation.cudagraph_mode is not None:
+        return None  # the user's
+    if level_default != CUDAGraphMode.FULL_AND_PIECEWISE:
         return None
     if tree_attention_backend() != TREE_ATTENTION_BACKENDS["triton"]:
         return None
