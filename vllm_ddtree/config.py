@@ -305,6 +305,19 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
 MAX_DEFAULT_CUDAGRAPH_TOKENS = 1024
 
 
+def _enforces_eager(vllm_config: Any) -> bool:
+    """Whether the engine runs without CUDA graphs (``enforce_eager``)."""
+    model_config = vllm_config.model_config
+    return model_config is not None and bool(getattr(model_config, "enforce_eager", False))
+
+
+def _ddtree_with_cuda_graphs(vllm_config: Any) -> bool:
+    """A DDTree engine that captures CUDA graphs: the only kind whose graph defaults
+    DDTree sets."""
+    spec = vllm_config.speculative_config
+    return spec is not None and spec.method == DDTREE_METHOD and not _enforces_eager(vllm_config)
+
+
 def largest_decode_step_tokens(spec_config: Any, max_num_seqs: int) -> int:
     """The most tokens a decode-only step verifies: ``max_num_seqs`` full trees, or
     the largest step of the batch-size schedule."""
@@ -331,13 +344,10 @@ def ddtree_cudagraph_capture_size(vllm_config: Any) -> int | None:
     max_num_batched_tokens.
     Sizes the user gave (max_cudagraph_capture_size or cudagraph_capture_sizes) are
     kept, and eager engines have no graphs."""
+    if not _ddtree_with_cuda_graphs(vllm_config):
+        return None
     spec = vllm_config.speculative_config
-    if spec is None or spec.method != DDTREE_METHOD:
-        return None
     compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
-    model_config = vllm_config.model_config
-    if model_config is not None and getattr(model_config, "enforce_eager", False):
-        return None
     if (compilation.max_cudagraph_capture_size is not None
             or compilation.cudagraph_capture_sizes is not None):
         return None
@@ -365,20 +375,15 @@ def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
     Triton attention that host work made such a forward cost 7.6 ms (1.9 ms for a
     decode step of about the same tokens; 2.1 ms for the same step in one FULL graph;
     H200 benchmark pair, 64 concurrent requests), and under constant concurrency about
-    one step in three admits a request. Triton's
-    unified attention runs any mix of prefills and trees inside one graph (its CUDA
-    graph support is ALWAYS), so DDTree on it defaults to FULL: one graph per token
-    count for every step up to the largest captured size (docs/benchmarks.md, session
-    12). Kept: a mode the user set, levels whose default has no FULL graphs (O0, O1),
+    one step in three admits a request. Triton's unified attention runs any mix of
+    prefills and trees inside one graph (its CUDA graph support is ALWAYS), so DDTree
+    on it defaults to FULL: one graph per token count for every step up to the largest
+    captured size (docs/benchmarks.md, session 12). Kept: a mode the user set, levels whose default has no FULL graphs (O0, O1),
     eager engines, and trees verified on FlashAttention (``VLLM_DDTREE_TREE_ATTENTION
     =flash``, whose split is measured with decode-only FULL graphs)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    spec = vllm_config.speculative_config
-    if spec is None or spec.method != DDTREE_METHOD:
-        return None
-    model_config = vllm_config.model_config
-    if model_config is not None and getattr(model_config, "enforce_eager", False):
+    if not _ddtree_with_cuda_graphs(vllm_config):
         return None
     compilation = vllm_config.compilation_config
     if compilation.cudagraph_mode is not None:
@@ -403,10 +408,9 @@ def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
     the full tree at every batch size."""
     spec = vllm_config.speculative_config
     scheduler = vllm_config.scheduler_config
-    model_config = vllm_config.model_config
     if scheduler is None or getattr(spec, "num_speculative_tokens_per_batch_size", None):
         return None
-    if model_config is not None and getattr(model_config, "enforce_eager", False):
+    if _enforces_eager(vllm_config):
         return None
     compilation = getattr(vllm_config, "compilation_config", None)
     cap = getattr(compilation, "max_cudagraph_capture_size", None) or DEFAULT_MAX_CUDAGRAPH_TOKENS
