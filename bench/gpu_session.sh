@@ -347,11 +347,16 @@ case "$step" in
     read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
     # GAP_PROFILE_STEADY=N: a constant-concurrency cell of N requests instead of one
     # wave (session 10: steps that prefill a joining request cost 4-9x a decode step).
-    timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
-      --configs "${pconfigs[@]}" --max-tokens 64 --out-dir "$OUT/profile" \
-      ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
-      > "$OUT/profile/profile-step.log" 2>&1
-    echo "gap profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
+    # One process per engine: a second engine with FULL graphs in a process that
+    # held one failed its capture (CUDACachingAllocator use_count assert, session 13).
+    for config in "${pconfigs[@]}"; do
+      timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
+        --configs "$config" --max-tokens 64 --out-dir "$OUT/profile" \
+        ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
+        >> "$OUT/profile/profile-step.log" 2>&1
+      echo "gap profile $config rc=$?"
+    done
+    grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     # Profile files name a config with "+" as "_" (bench/run.py file_stem).
     for other in "${pconfigs[@]:1}"; do
       python3 bench/compare_profiles.py "$OUT/profile/profile-${pconfigs[0]//+/_}-cprofile.txt" \

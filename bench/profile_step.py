@@ -18,6 +18,7 @@ prompts three times:
 hold the steps that prefill a joining request.
 
 Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofile.txt``
+(and the raw ``profile-<config>.pstats``, for callers: ``python -m pstats``)
 and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
 https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
 
@@ -41,6 +42,7 @@ import pstats
 import shutil
 import sys
 import time
+import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -282,6 +284,8 @@ def profile_config(args, name: str, prompts) -> dict:
     rec["cprofile_wall_s"] = round(wall_c, 4)
     with open(os.path.join(args.out_dir, f"profile-{file_stem(name)}-cprofile.txt"), "w") as f:
         f.write(cprofile_text(prof))
+    # The raw statistics too, for callers and callees (python -m pstats FILE).
+    prof.dump_stats(os.path.join(args.out_dir, f"profile-{file_stem(name)}.pstats"))
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -398,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             run = profile_config_mp if args.engine_process == "mp" else profile_config
             rec = run(args, name, prompts)
         except Exception as exc:  # record and go on
-            rec = {"config": name, "error": repr(exc)[:2000]}
+            rec = {"config": name, "error": repr(exc)[:2000],
+                   "traceback": traceback.format_exc()[-4000:]}
         results.append(rec)
         with open(os.path.join(args.out_dir, f"profile-{file_stem(name)}.json"), "w") as f:
             json.dump(rec, f, indent=1)
