@@ -39,6 +39,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import random
 import re
 import statistics
@@ -676,6 +677,44 @@ def code_digest(root: str = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
+# A fixed pure-Python workload, timed before each engine: with the engine core's
+# steps bound by the host (session 13: the same code and configuration stepped 1.5x
+# faster on one GPU host than on another), tokens/s from two device calls compare
+# two host CPUs as much as two engines. Its median time says how fast the host ran
+# Python then; compare it before comparing numbers across calls.
+HOST_LOOP_REPEATS = 5
+HOST_LOOP_ITEMS = 200_000
+
+
+def host_loop_ms(repeats: int = HOST_LOOP_REPEATS, items: int = HOST_LOOP_ITEMS) -> float:
+    """Median wall time (ms) of a fixed loop of dict and list operations, the kind of
+    work a scheduler step does."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        table: dict[int, list[int]] = {}
+        for i in range(items):
+            table.setdefault(i & 1023, []).append(i)
+        sum(len(v) for v in table.values())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def host_info() -> dict:
+    """The host CPU as a run's header records it: model name, CPUs this process may
+    use, and :func:`host_loop_ms` at the start."""
+    model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f
+                          if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    usable = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+              else os.cpu_count())
+    return {"cpu_model": model, "usable_cpus": usable, "python_loop_ms": host_loop_ms()}
+
+
 def git_rev() -> str:
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
@@ -983,6 +1022,8 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     sched = llm.llm_engine.vllm_config.scheduler_config
     compilation = getattr(llm.llm_engine.vllm_config, "compilation_config", None)
     eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
+           # The host's Python speed as this engine's cells begin (host_info).
+           "host_python_loop_ms": host_loop_ms(),
            "async_scheduling": getattr(sched, "async_scheduling", None),
            # The largest CUDA graph the engine captured (DDTree's default: patch 9).
            "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size",
@@ -1162,6 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
         cell_mode=args.cell_mode, min_waves=args.min_waves,
         output_lengths=args.output_lengths, greedy_exact=greedy_exact(suite.dtype, args.eager),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        host=host_info(),
         vllm_version=vllm.__version__, ddtree_series=getattr(vllm, "ddtree_series", None),
     ))
     reference: dict[tuple, list[list[int]]] = {}

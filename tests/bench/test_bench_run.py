@@ -479,6 +479,22 @@ def test_code_digest_changes_with_the_measured_code_only(tmp_path):
     assert code_digest(str(tmp_path)) != first
 
 
+def test_host_info_names_the_cpu_and_times_the_python_loop(monkeypatch):
+    """The header's host record: a CPU model (from /proc/cpuinfo where it exists),
+    the CPUs this process may use, and the loop's median time; the loop's time is
+    the median of its repeats."""
+    import bench.run as run
+
+    info = run.host_info()
+    assert set(info) == {"cpu_model", "usable_cpus", "python_loop_ms"}
+    assert info["usable_cpus"] >= 1 and info["python_loop_ms"] > 0
+    if os.path.exists("/proc/cpuinfo"):
+        assert info["cpu_model"]
+    ticks = iter([0.0, 0.003, 1.0, 1.001, 2.0, 2.002])  # 3, 1 and 2 ms
+    monkeypatch.setattr(run.time, "perf_counter", lambda: next(ticks))
+    assert run.host_loop_ms(repeats=3, items=10) == 2.0
+
+
 def _row(config, batch, tps, prompt_set="humaneval", temperature=0.0):
     return {"config": config, "prompt_set": prompt_set, "temperature": temperature,
             "batch_size": batch, "output_tokens_per_s": tps}
@@ -614,6 +630,9 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
     doc = json.loads(out.read_text())
     assert [(e["config"], e["round"]) for e in doc["engines"]] == [
         ("no-spec", 0), ("dflash", 0), ("dflash", 1), ("no-spec", 1)]
+    # Every engine and the run itself record how fast the host ran Python.
+    assert all(e["host_python_loop_ms"] > 0 for e in doc["engines"])
+    assert doc["host"]["python_loop_ms"] > 0 and doc["host"]["usable_cpus"] >= 1
     rows = doc["results"]
     assert [r["config"] for r in rows] == ["no-spec", "dflash"]
     for r in rows:
