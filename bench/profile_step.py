@@ -258,6 +258,11 @@ def plain_run(llm, args, prompts) -> tuple[dict, int]:
     """Warm up, then one timed generation without profilers: its numbers and the
     engine steps per request (spec-decode drafts; one per token without speculation)."""
     generate(llm, prompts[: args.batch_size], 16)  # warm-up
+    if args.steady_requests:
+        # Joining steps' first-use costs too (session 13: the first of three steady
+        # passes was slower than the cProfiled one), as bench/run.py's steady warm-up.
+        run_cell_steady(llm, prompts[: 2 * args.batch_size], args.batch_size, 0.0,
+                        max(8, args.max_tokens // 2), dummy=False)
     before = spec_counters(llm.get_metrics())
     wall, n = workload(llm, args, prompts)
     delta = spec_counters(llm.get_metrics()).minus(before)

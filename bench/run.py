@@ -236,6 +236,10 @@ def requests_for(batch: int, min_requests: int, min_waves: int = 1) -> int:
     return waves * batch
 
 
+# Generations of requests in the untimed steady cell that warms each batch size up.
+STEADY_WARMUP_WAVES = 2
+
+
 def cycled(prompts: list, n: int) -> list:
     """``n`` prompts, the set repeated when it has fewer."""
     return [prompts[i % len(prompts)] for i in range(n)]
@@ -1044,6 +1048,14 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     for temp in sorted(set(suite.temperatures)):
         for batch in suite.batch_sizes:
             run_cell(llm, first[:batch], batch, temp, 8, suite.dummy)
+            if args.cell_mode == "steady":
+                # Steady cells also run steps that prefill a joining request beside
+                # the running ones, token counts a wave never makes: without this,
+                # each cell's first repeat paid their first-use costs (session 13:
+                # the trees' second repeat was the faster one in 8 of 8 cells).
+                run_cell_steady(llm, cycled(first, STEADY_WARMUP_WAVES * batch), batch,
+                                temp, max(8, suite.max_tokens // 2), suite.dummy,
+                                args.output_lengths)
     for set_name, prompts in prompt_sets.items():
         for temp in suite.temperatures:
             for batch in suite.batch_sizes:

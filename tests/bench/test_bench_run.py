@@ -593,6 +593,44 @@ def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
     assert len(measured) == 2 * 3
 
 
+def test_steady_cells_are_warmed_up_by_an_untimed_steady_cell(tmp_path, monkeypatch):
+    """--cell-mode steady: before any timed cell, each batch size runs a wave and then
+    an untimed steady cell (joining requests beside running ones) with the run's
+    output lengths; the timed cells follow, --repeats each."""
+    import json
+    import types
+
+    import bench.run as run
+
+    calls = []
+    fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+    monkeypatch.setattr(run, "_engine", lambda args, suite, target, drafter, cfg: (fake_llm, None))
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+
+    def fake(kind):
+        def cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
+            calls.append((kind, len(prompts), batch, max_tokens, lengths))
+            outs = [[1] * max_tokens for _ in prompts]
+            summary = run.cell_summary(outs, 1.0, [1.0] * len(prompts), [0.002] * len(prompts))
+            return outs, summary, run.SpecCounters(2, 30, 1, [1])
+        return cell
+
+    monkeypatch.setattr(run, "run_cell", fake("wave"))
+    monkeypatch.setattr(run, "run_cell_steady", fake("steady"))
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec",
+                     "--batch-sizes", "2", "4", "--temperatures", "0", "--max-tokens", "32",
+                     "--repeats", "2", "--min-requests", "8", "--cell-mode", "steady",
+                     "--output-lengths", "varied"]) == 0
+    waves = run.STEADY_WARMUP_WAVES
+    assert calls[:4] == [("wave", 2, 2, 8, "fixed"), ("steady", waves * 2, 2, 16, "varied"),
+                         ("wave", 4, 4, 8, "fixed"), ("steady", waves * 4, 4, 16, "varied")]
+    timed = calls[4:]
+    assert all(c[0] == "steady" and c[3] == 32 for c in timed) and len(timed) == 2 * 2
+    assert [c["batch_size"] for c in json.loads(out.read_text())["results"]] == [2, 4]
+
+
 def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monkeypatch):
     """--engine-rounds 2: each configuration's engine starts twice, in the order A B
     then B A; a cell is one row whose median runs over both engines (its repeats count
@@ -876,8 +914,10 @@ def test_profile_step_steady_workload_keeps_the_batch_in_flight(monkeypatch):
     args = types.SimpleNamespace(steady_requests=6, batch_size=2, max_tokens=8)
     prompts = [[i] for i in range(6)]
     plain, steps = profile_step.plain_run(llm, args, prompts)
-    assert warmups == [2]  # the warm-up is one wave of --batch-size prompts
-    assert engine.max_live == 2 and engine.steps == 24  # 6 requests x 8 tokens, 2 at a time
+    # The warm-up: one wave of --batch-size prompts, then an untimed steady cell of two
+    # generations of them (this fake gives every request 8 tokens: 4 x 8, 2 at a time).
+    assert warmups == [2]
+    assert engine.max_live == 2 and engine.steps == 16 + 24  # then 6 requests x 8 tokens
     assert plain["output_tokens"] == 48 and steps == 24
     assert plain["wall_s"] == pytest.approx(0.024)
 
