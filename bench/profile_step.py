@@ -54,6 +54,7 @@ sys.path.insert(0, ROOT)
 from bench.result_files import read_json  # noqa: E402
 from bench.run import (  # noqa: E402
     DEFAULT_DRAFTER,
+    STEADY_WARMUP_WAVES,
     _free,
     config_engine_kwargs,
     engine_environment,
@@ -261,8 +262,8 @@ def plain_run(llm, args, prompts) -> tuple[dict, int]:
     if args.steady_requests:
         # Joining steps' first-use costs too (session 13: the first of three steady
         # passes was slower than the cProfiled one), as bench/run.py's steady warm-up.
-        run_cell_steady(llm, prompts[: 2 * args.batch_size], args.batch_size, 0.0,
-                        max(8, args.max_tokens // 2), dummy=False)
+        run_cell_steady(llm, prompts[: STEADY_WARMUP_WAVES * args.batch_size],
+                        args.batch_size, 0.0, max(8, args.max_tokens // 2), dummy=False)
     before = spec_counters(llm.get_metrics())
     wall, n = workload(llm, args, prompts)
     delta = spec_counters(llm.get_metrics()).minus(before)

@@ -682,8 +682,8 @@ def code_digest(root: str = ROOT) -> str:
 
 
 # A fixed pure-Python workload, timed before each engine: with the engine core's
-# steps bound by the host (session 13: the same code and configuration stepped 1.5x
-# faster on one GPU host than on another), tokens/s from two device calls compare
+# steps bound by the host (session 13: the same code and configuration stepped
+# 1.35-1.66x faster on one GPU host than on another), tokens/s from two calls compare
 # two host CPUs as much as two engines. Its median time says how fast the host ran
 # Python then; compare it before comparing numbers across calls.
 HOST_LOOP_REPEATS = 5
