@@ -46,7 +46,8 @@
 #                                      # (STEADY_CONFIGS, STEADY_BATCH_SIZES, STEADY_ROUNDS,
 #                                      # STEADY_MIN_WAVES: generations of BATCH requests,
 #                                      # STEADY_LENGTHS=varied: 0.5-1.5x the new tokens;
-#                                      # STEADY_PROFILE=1: DDTree's per-stage step times)
+#                                      # STEADY_PROFILE=1: DDTree's per-stage step times;
+#                                      # STEADY_TIME_BUDGET_S: seconds for the whole step)
 #   bash bench/gpu_session.sh joins    # float32, requests joining under DDTree's default graphs:
 #                                      # greedy match vs no-spec (JOINS_CONFIGS, JOINS_BATCH_SIZES)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
@@ -295,11 +296,14 @@ case "$step" in
     prepare
     read -r -a sconfigs <<< "${STEADY_CONFIGS:-no-spec ddtree-b64-t512 ddtree-b64-t512-d32}"
     read -r -a sbatches <<< "${STEADY_BATCH_SIZES:-4 16 64}"
-    fixture_bench steady 560 --cell-mode steady --configs "${sconfigs[@]}" \
+    # STEADY_TIME_BUDGET_S: less device time left than a whole call; engines that
+    # would not fit are skipped (and recorded as such) instead of cut off.
+    sbudget=${STEADY_TIME_BUDGET_S:-540}
+    fixture_bench steady $((sbudget + 20)) --cell-mode steady --configs "${sconfigs[@]}" \
       --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats 2 --min-requests 64 \
       --engine-rounds "${STEADY_ROUNDS:-1}" --min-waves "${STEADY_MIN_WAVES:-1}" \
       --output-lengths "${STEADY_LENGTHS:-fixed}" \
-      --time-budget-s 540 --engine-estimate-s 110 \
+      --time-budget-s "$sbudget" --engine-estimate-s 110 \
       ${STEADY_PROFILE:+--profile-dir "$OUT"}
     ;;
   joins)
