@@ -12,6 +12,9 @@ engines follows in brackets.
 Several results of one code tree (the same ``code_digest``, e.g. successive device
 calls of one session) are read as one: a configuration measured in one file can be
 compared with one measured in another. A cell measured in two of them is refused.
+Where the files ran on different hosts (their ``host`` records: CPU model, or the
+fixed Python loop's time more than 10 % apart) or do not say, a note heads the
+tables: with host-bound steps a ratio between two files compares two hosts too.
 
     python bench/tables.py bench/results/bench-fixture-mp-t512.json.gz \
         --ddtree ddtree-b64-t512 --chains dflash dflash-t512
@@ -73,6 +76,28 @@ def merge_results(docs: list[dict], names: list[str]) -> dict:
             seen[key] = name
             results.append(row)
     return {"code_digest": digests.pop(), "results": results}
+
+
+# Two runs' fixed Python loop times (bench/run.py host_loop_ms) this far apart count as
+# two hosts.
+HOST_LOOP_TOLERANCE = 0.10
+
+
+def host_note(docs: list[dict], names: list[str]) -> str | None:
+    """Why ratios between these result files may compare two hosts, or None."""
+    hosts = [d.get("host") for d in docs]
+    unknown = [n for n, h in zip(names, hosts) if not h]
+    if unknown:
+        return (f"{', '.join(unknown)} record no host (before session 13): ratios between "
+                f"files may compare two GPU hosts' CPUs as well")
+    models = {h.get("cpu_model") for h in hosts}
+    loops = [h.get("python_loop_ms") or 0.0 for h in hosts]
+    if len(models) > 1 or min(loops) <= 0 or max(loops) > (1 + HOST_LOOP_TOLERANCE) * min(loops):
+        desc = "; ".join(f"{n}: {h.get('cpu_model')}, loop {h.get('python_loop_ms')} ms"
+                         for n, h in zip(names, hosts))
+        return (f"these files ran on different hosts ({desc}): ratios between them compare "
+                f"the hosts too")
+    return None
 
 
 def _engine_values(row: dict) -> list[float]:
@@ -151,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     docs = [read_json(path) for path in args.results]
     try:
         doc = docs[0] if len(docs) == 1 else merge_results(docs, args.results)
-        print(markdown_tables(doc, args.ddtree, args.chains, args.baseline, args.steps))
+        tables = markdown_tables(doc, args.ddtree, args.chains, args.baseline, args.steps)
+        note = host_note(docs, args.results) if len(docs) > 1 else None
+        if note:
+            print(f"> Note: {note}.\n")
+        print(tables)
     except ValueError as exc:
         print(f"tables: {exc}", file=sys.stderr)
         return 2

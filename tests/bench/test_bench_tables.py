@@ -94,6 +94,31 @@ def test_results_of_one_tree_are_read_as_one(tmp_path, capsys):
     assert "| DDTree / no-spec | 0.90 |" in out and "| DDTree / chain | 1.50 |" in out
 
 
+def test_results_from_different_or_unknown_hosts_get_a_note(tmp_path, capsys):
+    """Files of one tree read as one: a note heads the tables when their hosts differ
+    (CPU model, or the Python loop's time more than 10 % apart) or are not recorded;
+    none when they agree."""
+    host = {"cpu_model": "Xeon A", "usable_cpus": 16, "python_loop_ms": 20.0}
+    first = {"code_digest": "abc", "host": host, "results": [_cell("no-spec", 4, 2000.0)]}
+    second = {"code_digest": "abc", "host": dict(host, python_loop_ms=21.0),
+              "results": [_cell("dflash", 4, 1200.0, 1.4), _cell("ddtree", 4, 1800.0, 2.0)]}
+
+    def tables(*docs):
+        paths = []
+        for i, doc in enumerate(docs):
+            paths.append(tmp_path / f"r{i}.json")
+            paths[-1].write_text(json.dumps(doc))
+        assert main([*map(str, paths), "--ddtree", "ddtree"]) == 0
+        return capsys.readouterr().out
+
+    assert "Note" not in tables(first, second)  # 5 % apart: one host
+    out = tables(first, dict(second, host=dict(host, python_loop_ms=30.0)))
+    assert out.startswith("> Note: these files ran on different hosts") and "loop 30.0 ms" in out
+    assert "different hosts" in tables(first, dict(second, host=dict(host, cpu_model="Epyc B")))
+    out = tables(first, {k: v for k, v in second.items() if k != "host"})
+    assert "r1.json record no host" in out and "| DDTree / chain | 1.50 |" in out
+
+
 def test_results_of_different_trees_or_twice_measured_cells_are_refused(tmp_path, capsys):
     docs = {"a": {"code_digest": "abc", "results": [_cell("no-spec", 4, 2000.0),
                                                     _cell("ddtree", 4, 1800.0, 2.0),
