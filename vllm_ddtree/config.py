@@ -378,9 +378,10 @@ def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
     one step in three admits a request. Triton's unified attention runs any mix of
     prefills and trees inside one graph (its CUDA graph support is ALWAYS), so DDTree
     on it defaults to FULL: one graph per token count for every step up to the largest
-    captured size (docs/benchmarks.md, session 12). Kept: a mode the user set, levels whose default has no FULL graphs (O0, O1),
-    eager engines, and trees verified on FlashAttention (``VLLM_DDTREE_TREE_ATTENTION
-    =flash``, whose split is measured with decode-only FULL graphs)."""
+    captured size (docs/benchmarks.md, session 12). Kept: a mode the user set, levels
+    whose default has no FULL graphs (O0, O1), eager engines, and trees verified on
+    FlashAttention (``VLLM_DDTREE_TREE_ATTENTION=flash``, whose split is measured with
+    decode-only FULL graphs)."""
     from vllm.config.compilation import CUDAGraphMode
 
     if not _ddtree_with_cuda_graphs(vllm_config):
