@@ -47,7 +47,8 @@
 #                                      # STEADY_MIN_WAVES: generations of BATCH requests,
 #                                      # STEADY_LENGTHS=varied: 0.5-1.5x the new tokens;
 #                                      # STEADY_PROFILE=1: DDTree's per-stage step times;
-#                                      # STEADY_TIME_BUDGET_S: seconds for the whole step)
+#                                      # STEADY_TIME_BUDGET_S: seconds for the whole step;
+#                                      # STEADY_REPEATS, STEADY_MIN_REQUESTS: cell size)
 #   bash bench/gpu_session.sh joins    # float32, requests joining under DDTree's default graphs:
 #                                      # greedy match vs no-spec (JOINS_CONFIGS, JOINS_BATCH_SIZES)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
@@ -300,8 +301,9 @@ case "$step" in
     # would not fit are skipped (and recorded as such) instead of cut off.
     sbudget=${STEADY_TIME_BUDGET_S:-540}
     fixture_bench steady $((sbudget + 20)) --cell-mode steady --configs "${sconfigs[@]}" \
-      --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats 2 --min-requests 64 \
-      --engine-rounds "${STEADY_ROUNDS:-1}" --min-waves "${STEADY_MIN_WAVES:-1}" \
+      --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats "${STEADY_REPEATS:-2}" \
+      --min-requests "${STEADY_MIN_REQUESTS:-64}" --engine-rounds "${STEADY_ROUNDS:-1}" \
+      --min-waves "${STEADY_MIN_WAVES:-1}" \
       --output-lengths "${STEADY_LENGTHS:-fixed}" \
       --time-budget-s "$sbudget" --engine-estimate-s 110 \
       ${STEADY_PROFILE:+--profile-dir "$OUT"}

@@ -128,6 +128,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
 # "+cgfull": cudagraph_mode FULL, one whole-forward graph for every batch up to the
 # largest size, mixed (prefilling) steps included; vLLM's default FULL_AND_PIECEWISE
 # replays mixed steps piecewise, launching each layer's attention from the host.
+# On FLASH_ATTN the series' patch 10 turns FULL into FULL_AND_PIECEWISE inside the
+# engine core (FA3's FULL graphs gave wrong tokens for prefills: session 14); the
+# engine row records the mode the front end asked for.
 # Flags that set the same argument merge ("+cgfull+cg1024").
 CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),)),
                        **{f"cg{n}": ("compilation_config", (("max_cudagraph_capture_size", n),))
@@ -1067,8 +1070,10 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                 key = (set_name, batch, temp)
                 greedy = None
                 if temp == 0.0:
-                    if cfg.method is None:
-                        reference.setdefault(key, outs)
+                    if cfg.method is None and key not in reference:
+                        # The first plain engine is the reference; a later one (another
+                        # graph mode or backend) is compared with it like the others.
+                        reference[key] = outs
                     elif key in reference and not suite.dummy:
                         greedy = greedy_fields(outs, reference[key], exact)
                 cell = cells.get((cfg.name, *key))

@@ -928,3 +928,50 @@ def test_profile_step_refuses_a_steady_cell_no_larger_than_the_batch(tmp_path):
     with pytest.raises(SystemExit, match="--steady-requests must exceed --batch-size"):
         profile_main(["--configs", "no-spec", "--batch-size", "4", "--steady-requests", "4",
                       "--out-dir", str(tmp_path)])
+
+
+def test_a_second_plain_engine_is_compared_with_the_first(tmp_path, monkeypatch):
+    """The first plain (no speculation) engine of a cell is the greedy reference; a
+    later plain engine (another graph mode, e.g. ``no-spec+cgfull``) is compared with it
+    like the speculative ones (session 14: FULL graphs on FlashAttention gave other
+    tokens from the first one on)."""
+    import json
+    import types
+
+    import transformers
+
+    import bench.run as run
+
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    target.mkdir()
+    drafter.mkdir()
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(run, "load_prompt_sets",
+                        lambda names, data, tok, limit: {n: [[5, 6]] * limit for n in names})
+
+    def engine(args, suite, target, drafter, cfg):
+        return types.SimpleNamespace(name=cfg.name, llm_engine=types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(async_scheduling=True)))), None
+
+    monkeypatch.setattr(run, "_engine", engine)
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+    tokens = {"no-spec": [1, 2, 3], "no-spec+cgfull": [9, 2, 3], "dflash": [1, 2, 3]}
+
+    def cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
+        outs = [list(tokens[llm.name]) for _ in prompts]
+        summary = run.cell_summary(outs, 1.0, [1.0] * len(prompts), [0.002] * len(prompts))
+        return outs, summary, run.SpecCounters(2, 30, 1, [1])
+
+    monkeypatch.setattr(run, "run_cell", cell)
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "fixture", "--out", str(out), "--target", str(target),
+                     "--drafter", str(drafter), "--data", str(tmp_path), "--prompt-sets",
+                     "humaneval", "--configs", "no-spec", "no-spec+cgfull", "dflash",
+                     "--batch-sizes", "2", "--temperatures", "0", "--max-tokens", "3",
+                     "--min-requests", "2"]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["no-spec"].get("greedy_identical") is None
+    assert rows["no-spec+cgfull"]["greedy_identical"] == 0
+    assert rows["no-spec+cgfull"]["greedy_first_difference"] == {"request": 0, "token": 0}
+    assert rows["dflash"]["greedy_identical"] == rows["dflash"]["greedy_total"] == 2
