@@ -61,6 +61,7 @@ from bench.run import (  # noqa: E402
     file_stem,
     load_prompt_sets,
     parse_config,
+    refuse_full_graphs_on_flash_attention,
     run_cell_steady,
     spec_counters,
 )
@@ -389,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     # Read by vLLM when an engine starts.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.engine_process == "mp" else "0"
     for c in args.configs:
-        parse_config(c)  # bad names fail before any GPU work
+        # bad names, and FULL graphs on FlashAttention, fail before any GPU work
+        refuse_full_graphs_on_flash_attention(parse_config(c), None)
     if args.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
     if args.steady_requests and args.steady_requests <= args.batch_size:

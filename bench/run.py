@@ -155,6 +155,35 @@ def parse_config(name: str) -> BenchConfig:
                                      if f in CONFIG_ENGINE_FLAGS))
 
 
+def full_graphs_on_flash_attention(cfg: BenchConfig, attention_backend: str | None) -> bool:
+    """Whether ``cfg`` asks for FULL CUDA graphs (``+cgfull``) on FlashAttention: plain
+    decoding and the chain run FLASH_ATTN on Hopper unless ``+tritonattn`` or
+    ``--attention-backend`` says otherwise; DDTree runs TRITON_ATTN unless
+    ``+flashtree``."""
+    flags = cfg.name.split("+")[1:]
+    if "cgfull" not in flags:
+        return False
+    backend = dict(dict(cfg.engine_args).get("attention_config", ())).get("backend")
+    backend = backend or attention_backend
+    if backend is not None:
+        return backend == "FLASH_ATTN"
+    if cfg.method == "ddtree":
+        return "flashtree" in flags
+    return True
+
+
+def refuse_full_graphs_on_flash_attention(cfg: BenchConfig,
+                                          attention_backend: str | None) -> None:
+    """SystemExit for a config :func:`full_graphs_on_flash_attention` flags."""
+    if full_graphs_on_flash_attention(cfg, attention_backend):
+        raise SystemExit(
+            f"config {cfg.name}: cudagraph_mode FULL on FLASH_ATTN computes wrong tokens "
+            "for prefills on vLLM 0.26's V2 runner (docs/benchmarks.md, session 14), "
+            "and the series' patch 10 turns it into FULL_AND_PIECEWISE: no baseline. "
+            "For a plain engine with FULL graphs add +tritonattn "
+            "(e.g. no-spec+tritonattn+cgfull+cg1024).")
+
+
 _CONFIG_NAME = re.compile(r"(?P<base>no-spec|dflash|ddtree-b(?P<budget>\d+))"
                           r"(?:-t(?P<tokens>\d+|auto))?(?:-d(?P<disable>\d+))?")
 
@@ -1178,6 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None:
             setattr(suite, name, getattr(args, name))
     configs = [parse_config(c) for c in suite.configs]  # bad names fail before any GPU work
+    for cfg in configs:
+        refuse_full_graphs_on_flash_attention(cfg, args.attention_backend)
     if any(b < 1 for b in suite.batch_sizes):
         raise SystemExit("--batch-sizes must be >= 1")
 

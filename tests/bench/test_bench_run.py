@@ -932,9 +932,9 @@ def test_profile_step_refuses_a_steady_cell_no_larger_than_the_batch(tmp_path):
 
 def test_a_second_plain_engine_is_compared_with_the_first(tmp_path, monkeypatch):
     """The first plain (no speculation) engine of a cell is the greedy reference; a
-    later plain engine (another graph mode, e.g. ``no-spec+cgfull``) is compared with it
-    like the speculative ones (session 14: FULL graphs on FlashAttention gave other
-    tokens from the first one on)."""
+    later plain engine (another backend or graph mode, e.g. ``no-spec+tritonattn``) is
+    compared with it like the speculative ones (session 14: FULL graphs on
+    FlashAttention gave other tokens from the first one on)."""
     import json
     import types
 
@@ -956,7 +956,7 @@ def test_a_second_plain_engine_is_compared_with_the_first(tmp_path, monkeypatch)
 
     monkeypatch.setattr(run, "_engine", engine)
     monkeypatch.setattr(run, "_free", lambda llm: None)
-    tokens = {"no-spec": [1, 2, 3], "no-spec+cgfull": [9, 2, 3], "dflash": [1, 2, 3]}
+    tokens = {"no-spec": [1, 2, 3], "no-spec+tritonattn": [9, 2, 3], "dflash": [1, 2, 3]}
 
     def cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
         outs = [list(tokens[llm.name]) for _ in prompts]
@@ -967,11 +967,44 @@ def test_a_second_plain_engine_is_compared_with_the_first(tmp_path, monkeypatch)
     out = tmp_path / "r.json"
     assert run.main(["--suite", "fixture", "--out", str(out), "--target", str(target),
                      "--drafter", str(drafter), "--data", str(tmp_path), "--prompt-sets",
-                     "humaneval", "--configs", "no-spec", "no-spec+cgfull", "dflash",
+                     "humaneval", "--configs", "no-spec", "no-spec+tritonattn", "dflash",
                      "--batch-sizes", "2", "--temperatures", "0", "--max-tokens", "3",
                      "--min-requests", "2"]) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["no-spec"].get("greedy_identical") is None
-    assert rows["no-spec+cgfull"]["greedy_identical"] == 0
-    assert rows["no-spec+cgfull"]["greedy_first_difference"] == {"request": 0, "token": 0}
+    assert rows["no-spec+tritonattn"]["greedy_identical"] == 0
+    assert rows["no-spec+tritonattn"]["greedy_first_difference"] == {"request": 0, "token": 0}
     assert rows["dflash"]["greedy_identical"] == rows["dflash"]["greedy_total"] == 2
+
+
+@pytest.mark.parametrize("name, backend, refused", [
+    ("no-spec+cgfull+cg1024", None, True),
+    ("dflash-t512+cgfull+cg1024", None, True),
+    ("no-spec+tritonattn+cgfull+cg1024", None, False),
+    ("no-spec+cgfull", "TRITON_ATTN", False),
+    ("no-spec+cgfull", "FLASH_ATTN", True),
+    ("ddtree-b64-t512+cgfull", None, False),
+    ("ddtree-b64-t512+flashtree+cgfull", None, True),
+    ("no-spec+cg1024", None, False),
+    ("no-spec", None, False),
+])
+def test_full_graphs_on_flash_attention(name, backend, refused):
+    from bench.run import full_graphs_on_flash_attention, parse_config
+
+    assert full_graphs_on_flash_attention(parse_config(name), backend) is refused
+
+
+def test_full_graphs_on_flash_attention_refused_before_any_engine(tmp_path, monkeypatch):
+    import bench.run as run
+
+    monkeypatch.setattr(run, "_engine", lambda *a: pytest.fail("an engine was started"))
+    with pytest.raises(SystemExit, match="wrong tokens"):
+        run.main(["--suite", "cost8b", "--out", str(tmp_path / "r.json"),
+                  "--configs", "no-spec", "no-spec+cgfull+cg1024"])
+
+
+def test_profile_step_refuses_full_graphs_on_flash_attention(tmp_path):
+    from bench.profile_step import main
+
+    with pytest.raises(SystemExit, match="wrong tokens"):
+        main(["--configs", "dflash-t512+cgfull+cg1024", "--out-dir", str(tmp_path)])
