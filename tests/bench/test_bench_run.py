@@ -1008,3 +1008,37 @@ def test_profile_step_refuses_full_graphs_on_flash_attention(tmp_path):
 
     with pytest.raises(SystemExit, match="wrong tokens"):
         main(["--configs", "dflash-t512+cgfull+cg1024", "--out-dir", str(tmp_path)])
+
+
+def test_every_timed_run_records_the_host_pace_before_it(tmp_path, monkeypatch):
+    """Each timed run of a cell carries the fixed Python loop's time measured just
+    before it; a cell with repeats keeps every run's value and their median."""
+    import json
+    import types
+
+    import bench.run as run
+
+    fake_llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+    monkeypatch.setattr(run, "_engine", lambda args, suite, target, drafter, cfg: (fake_llm, None))
+    monkeypatch.setattr(run, "_free", lambda llm: None)
+    paces = iter([40.0, 30.0, 20.0, 10.0, 50.0, 60.0])
+    monkeypatch.setattr(run, "host_loop_ms", lambda: next(paces))
+
+    def cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
+        outs = [[1] * max_tokens for _ in prompts]
+        summary = run.cell_summary(outs, 1.0, [1.0] * len(prompts), [0.002] * len(prompts))
+        return outs, summary, run.SpecCounters(2, 30, 1, [1])
+
+    monkeypatch.setattr(run, "run_cell", cell)
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec",
+                     "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "4",
+                     "--repeats", "3"]) == 0
+    doc = json.loads(out.read_text())
+    # In order: the run's header, the engine row (before it starts), the three runs.
+    assert doc["host"]["python_loop_ms"] == 40.0
+    assert doc["engines"][0]["host_python_loop_ms"] == 30.0
+    (cell_row,) = doc["results"]
+    assert cell_row["host_python_loop_ms_runs"] == [20.0, 10.0, 50.0]
+    assert cell_row["host_python_loop_ms"] == 20.0
