@@ -14,6 +14,12 @@ drafts (``bench-steady-b4-default-graph-reference.json.gz``). vLLM's default mod
 eagerly launched attention for the rest) gave the same tokens as every other
 reference in those runs.
 
+The likely cause, read in the sources (not confirmed on the GPU): the V2 runner
+captures a mixed FULL graph on a dummy batch of equal query lengths and takes
+``max_query_len`` from it (``model_states/default.py``), where the V1 runner uses the
+graph's token count; FlashAttention's launch takes ``max_seqlen_q`` as a host integer,
+so the graph replays longer prompts with the capture's smaller value.
+
 So on the V2 runner FA3's support is reported as UNIFORM_BATCH, as vLLM already
 reports it for FA2: vLLM's own mode resolution then turns a requested FULL into
 FULL_AND_PIECEWISE (with its warning), and the DFlash drafter, which only needs
