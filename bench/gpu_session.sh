@@ -59,6 +59,9 @@
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
 #   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
+#   bash bench/gpu_session.sh graphmodes   # greedy tokens per CUDA-graph mode, no speculation
+#                                          # (GRAPHMODES_MODES; GRAPHMODES_PRISTINE=1: series
+#                                          # reverted first): FULL on FlashAttention (patch 10)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -343,6 +346,23 @@ case "$step" in
     fixture_bench flash-tree-long 560 --configs "${lconfigs[@]}" --prompt-sets sharegpt-long \
       --batch-sizes 1 4 16 --repeats 2 --min-requests 16 --time-budget-s 540 --engine-estimate-s 110
     ;;
+  graphmodes)
+    # Greedy tokens per CUDA-graph mode without speculation (each mode in its own
+    # process, compared with the first): bench/check_graph_mode_outputs.py. With the
+    # series, "full" should give eager's tokens (patch 10: FULL on FlashAttention becomes
+    # FULL_AND_PIECEWISE on the V2 runner). GRAPHMODES_PRISTINE=1: the series reverted
+    # first (vLLM as shipped, session 14's check: FULL wrong from the first token).
+    if [ -n "${GRAPHMODES_PRISTINE:-}" ]; then
+      prepare
+      ./apply.sh --site "$VLLM_SITE" --revert >> "$OUT/apply.log" 2>&1 || { echo "revert failed"; exit 1; }
+    else
+      prepare
+    fi
+    read -r -a gmodes <<< "${GRAPHMODES_MODES:-eager full default}"
+    timeout 420 python3 bench/check_graph_mode_outputs.py --model "$TARGET" --modes "${gmodes[@]}" \
+      --timeout-s 130 --out "$OUT/graph-mode-outputs.json" > "$OUT/graph-modes.log" 2>&1
+    echo "graph modes rc=$?"; tail -4 "$OUT/graph-modes.log"
+    ;;
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
     # GAP_PROFILE_BATCH requests (session 9: a drafting-off step cost what a plain one
@@ -382,6 +402,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong|graphmodes" >&2; exit 2 ;;
 esac
 done
