@@ -26,6 +26,9 @@ import random
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.run import first_difference  # noqa: E402
+
 MODES = {
     "eager": {"enforce_eager": True},
     "default": {},
@@ -40,14 +43,6 @@ def prompts(num: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 30000) for _ in range(rng.randrange(100, 200))]
             for _ in range(num)]
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token, None if equal (length counts as a token)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def compare(reference: list[list[int]], outputs: list[list[int]]) -> dict:

@@ -352,11 +352,9 @@ case "$step" in
     # series, "full" should give eager's tokens (patch 10: FULL on FlashAttention becomes
     # FULL_AND_PIECEWISE on the V2 runner). GRAPHMODES_PRISTINE=1: the series reverted
     # first (vLLM as shipped, session 14's check: FULL wrong from the first token).
+    prepare
     if [ -n "${GRAPHMODES_PRISTINE:-}" ]; then
-      prepare
       ./apply.sh --site "$VLLM_SITE" --revert >> "$OUT/apply.log" 2>&1 || { echo "revert failed"; exit 1; }
-    else
-      prepare
     fi
     read -r -a gmodes <<< "${GRAPHMODES_MODES:-eager full default}"
     timeout 420 python3 bench/check_graph_mode_outputs.py --model "$TARGET" --modes "${gmodes[@]}" \

@@ -160,15 +160,14 @@ def full_graphs_on_flash_attention(cfg: BenchConfig, attention_backend: str | No
     decoding and the chain run FLASH_ATTN on Hopper unless ``+tritonattn`` or
     ``--attention-backend`` says otherwise; DDTree runs TRITON_ATTN unless
     ``+flashtree``."""
-    flags = cfg.name.split("+")[1:]
-    if "cgfull" not in flags:
+    engine = config_engine_kwargs(cfg)
+    if engine.get("compilation_config", {}).get("cudagraph_mode") != "FULL":
         return False
-    backend = dict(dict(cfg.engine_args).get("attention_config", ())).get("backend")
-    backend = backend or attention_backend
+    backend = engine.get("attention_config", {}).get("backend") or attention_backend
     if backend is not None:
         return backend == "FLASH_ATTN"
     if cfg.method == "ddtree":
-        return "flashtree" in flags
+        return dict(cfg.env).get("VLLM_DDTREE_TREE_ATTENTION") == "flash"
     return True
 
 
@@ -365,13 +364,21 @@ def spec_counters(metrics) -> SpecCounters:
     return c
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts
+    at the shorter one's end); None if they are equal."""
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def compare_greedy(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     """Token-for-token comparison with the no-speculation outputs of the same cell."""
     same = sum(a == b for a, b in zip(outputs, reference))
     first = None
     for i, (a, b) in enumerate(zip(outputs, reference)):
-        if a != b:
-            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        pos = first_difference(a, b)
+        if pos is not None:
             first = {"request": i, "token": pos}
             break
     total = len(reference)
