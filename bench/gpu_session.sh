@@ -62,6 +62,9 @@
 #   bash bench/gpu_session.sh graphmodes   # greedy tokens per CUDA-graph mode, no speculation
 #                                          # (GRAPHMODES_MODES; GRAPHMODES_PRISTINE=1: series
 #                                          # reverted first): FULL on FlashAttention (patch 10)
+#   bash bench/gpu_session.sh jit      # Triton kernels compiling while an engine serves (vLLM's
+#                                      # verbose JIT monitor), a wave per batch size
+#                                      # (JIT_CONFIGS, JIT_BATCH_SIZES)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -360,6 +363,19 @@ case "$step" in
     timeout 420 python3 bench/check_graph_mode_outputs.py --model "$TARGET" --modes "${gmodes[@]}" \
       --timeout-s 130 --out "$OUT/graph-mode-outputs.json" > "$OUT/graph-modes.log" 2>&1
     echo "graph modes rc=$?"; tail -4 "$OUT/graph-modes.log"
+    ;;
+  jit)
+    # Kernels that compile after the start-up warm-up (bench/check_jit_during_serving.py):
+    # one engine per config, one wave at each batch size, half greedy and half sampled.
+    prepare
+    read -r -a jconfigs <<< "${JIT_CONFIGS:-ddtree-b64-t512}"
+    for config in "${jconfigs[@]}"; do
+      # shellcheck disable=SC2086  # JIT_BATCH_SIZES is a list
+      timeout 330 python3 bench/check_jit_during_serving.py --target "$TARGET" --drafter "$DRAFTER" \
+        --config "$config" --timeout-s 300 ${JIT_BATCH_SIZES:+--batch-sizes $JIT_BATCH_SIZES} \
+        --out "$OUT/jit-during-serving-${config//+/_}.json" > "$OUT/jit-${config//+/_}.txt" 2>&1
+      echo "jit $config rc=$?"; head -c 6000 "$OUT/jit-${config//+/_}.txt"
+    done
     ;;
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
