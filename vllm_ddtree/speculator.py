@@ -67,7 +67,7 @@ from vllm_ddtree.tree_builder import (
     store_trees_by_state_reference_,
 )
 from vllm_ddtree.tree_mask import rewrite_tree_positions_
-from vllm_ddtree.tree_walk import TreeWalk, walk_tree, walk_tree_fused
+from vllm_ddtree.tree_walk import step_walk_outputs, walk_tree, walk_tree_fused
 
 # One Triton launch each for the tree bias, the tree positions, the walk (with the
 # sample gather), the compaction (all KV layers + hidden states + positions restore)
@@ -768,16 +768,10 @@ class DDTreeSampler:
             # One launch: node i of request r is logit row cu[r] + i; nodes the
             # scheduler did not schedule (a prefix of the tree was verified) and
             # requests without a tree are never accepted.
-            # Fresh outputs every step (the kernel writes every element, so no fill):
-            # output_tokens becomes the runner's sampled tokens, which vLLM may still
-            # be copying to the host asynchronously when the next step samples.
-            # Two allocations, not four: each output is a contiguous slice of one.
-            num_reqs = input_batch.num_reqs
-            width = self.tree_depth + 1
-            device = logits.device
-            paths = torch.empty((2, num_reqs, width), dtype=torch.int64, device=device)
-            counts = torch.empty((2, num_reqs), dtype=torch.int32, device=device)
-            out = TreeWalk(paths[0], counts[0], paths[1], counts[1])
+            # Fresh outputs every step: output_tokens becomes the runner's sampled
+            # tokens, which vLLM may still be copying to the host asynchronously when
+            # the next step samples; aligned at every batch size (no JIT while serving).
+            out = step_walk_outputs(input_batch.num_reqs, self.tree_depth, logits.device)
             walk = walk_tree_fused(
                 node_samples,
                 cu,

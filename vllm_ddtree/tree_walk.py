@@ -186,6 +186,33 @@ def empty_walk(num_requests: int, max_depth: int, device: torch.device | str = "
     )
 
 
+# Triton specialises a pointer argument on 16-byte alignment; an output whose
+# alignment changed with the batch size compiled its consumers again while serving.
+_ALIGN_BYTES = 16
+
+
+def step_walk_outputs(num_requests: int, max_depth: int,
+                      device: torch.device | str = "cpu") -> TreeWalk:
+    """Fresh, uninitialised :class:`TreeWalk` outputs for one step (the fused walk
+    writes every element): two allocations instead of four, every output starting
+    on a 16-byte boundary whatever ``num_requests`` is.
+
+    Session 15 (bench/check_jit_during_serving.py) saw the walk and vLLM's
+    ``_get_num_sampled_and_rejected_kernel`` and ``_post_update_kernel`` compile
+    again at the first batch-1 step: the counts' second row began ``4 * num_requests``
+    bytes in, off a 16-byte boundary unless ``num_requests`` is a multiple of 4 (the
+    start-up warm-up's batch), so Triton built a second, unaligned specialisation
+    (the cause as the kernels' signatures show it: pointers only). Rows padded to a
+    multiple of 4 requests keep every slice aligned."""
+    per_block = _ALIGN_BYTES // 4  # int32 counts; an int64 path row is 8 * (D+1) bytes
+    padded = -(-num_requests // per_block) * per_block
+    w = max_depth + 1
+    paths = torch.empty((2, padded, w), dtype=torch.int64, device=device)
+    counts = torch.empty((2, padded), dtype=torch.int32, device=device)
+    return TreeWalk(paths[0, :num_requests], counts[0, :num_requests],
+                    paths[1, :num_requests], counts[1, :num_requests])
+
+
 def fused_target_tokens(
     node_samples: torch.Tensor, cu_num_logits: torch.Tensor, num_reqs: int, num_nodes: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,13 @@ import torch
 
 import vllm_ddtree.tree_walk as tw
 from vllm_ddtree.tree_builder import build_tree_reference, build_trees
-from vllm_ddtree.tree_walk import TreeWalk, empty_walk, walk_tree_fused, walk_tree_reference
+from vllm_ddtree.tree_walk import (
+    TreeWalk,
+    empty_walk,
+    step_walk_outputs,
+    walk_tree_fused,
+    walk_tree_reference,
+)
 
 
 # --------------------------------------------------------------------------- reference
@@ -290,3 +296,19 @@ def test_fused_bad_inputs():
     with pytest.raises(ValueError, match="out.num_accepted"):
         bad = empty_walk(2, 3)
         walk_tree_fused(s, cu, idx, t, t, v, 3, out=bad._replace(num_accepted=bad.num_accepted[:1]))
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 3, 4, 5, 7, 16, 17, 63])
+@pytest.mark.parametrize("max_depth", [15, 4, 0])
+def test_step_walk_outputs_start_on_16_byte_boundaries_at_every_batch_size(num_requests, max_depth):
+    # Triton specialises pointers on 16-byte alignment: an output off it at some batch
+    # sizes compiled the walk and vLLM's post-sampling kernels again while serving.
+    out = step_walk_outputs(num_requests, max_depth)
+    for t in out:
+        assert t.data_ptr() % 16 == 0
+        assert t.shape[0] == num_requests and t.is_contiguous()
+    assert out.accepted_nodes.shape == out.output_tokens.shape == (num_requests, max_depth + 1)
+    assert out.num_accepted.dtype == out.num_output.dtype == torch.int32
+    # Four distinct outputs: no two share memory.
+    ptrs = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in out)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ptrs, ptrs[1:]))
