@@ -13,8 +13,13 @@ share steps, and every mode's tokens are compared with the first mode's.
         --modes eager full default --out $OUT/graph-mode-outputs.json
 
 Modes: ``eager`` (enforce_eager), ``default`` (vLLM's FULL_AND_PIECEWISE),
-``full`` (FULL, graphs up to 1024 tokens), ``full-decode`` (FULL_DECODE_ONLY).
-The JSON also records whether the series was applied (``vllm.ddtree_series``).
+``full`` (FULL, graphs up to 1024 tokens), ``full-decode`` (FULL_DECODE_ONLY), and
+``full-maxq``: ``full`` with the V2 runner capturing its graphs with ``max_query_len``
+set to the graph's token count, as the V1 runner does (session 14's suspected cause;
+engine in this process so the change reaches it; run it with the series reverted,
+``GRAPHMODES_PRISTINE=1``, since patch 10 turns FULL on FlashAttention into
+FULL_AND_PIECEWISE). The JSON also records whether the series was applied
+(``vllm.ddtree_series``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,24 @@ MODES = {
                                     "max_cudagraph_capture_size": 1024}},
     "full-decode": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
 }
+MODES["full-maxq"] = MODES["full"]
+
+
+def capture_max_query_len_as_token_count(default_state=None) -> None:
+    """Make vLLM's V2 runner capture CUDA graphs with ``max_query_len`` = the graph's
+    token count (the V1 runner's choice) instead of the dummy batch's equal query
+    length: it wraps ``build_attn_metadata`` as
+    ``vllm/v1/worker/gpu/model_states/default.py`` calls it (keyword arguments)."""
+    if default_state is None:
+        import vllm.v1.worker.gpu.model_states.default as default_state
+    original = default_state.build_attn_metadata
+
+    def build_attn_metadata(**kwargs):
+        if kwargs.get("for_cudagraph_capture"):
+            kwargs["max_query_len"] = kwargs["num_tokens"]
+        return original(**kwargs)
+
+    default_state.build_attn_metadata = build_attn_metadata
 
 
 def prompts(num: int, seed: int = 0) -> list[list[int]]:
@@ -53,6 +76,10 @@ def compare(reference: list[list[int]], outputs: list[list[int]]) -> dict:
 
 
 def run_one(args) -> dict:
+    if args.one == "full-maxq":
+        # The change must reach the worker: keep the engine core in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        capture_max_query_len_as_token_count()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, seed=0, max_model_len=2048,

@@ -61,7 +61,9 @@
 #   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
 #   bash bench/gpu_session.sh graphmodes   # greedy tokens per CUDA-graph mode, no speculation
 #                                          # (GRAPHMODES_MODES; GRAPHMODES_PRISTINE=1: series
-#                                          # reverted first): FULL on FlashAttention (patch 10)
+#                                          # reverted first): FULL on FlashAttention (patch 10);
+#                                          # mode full-maxq (pristine): FULL captured with
+#                                          # max_query_len = token count (the cause?)
 #   bash bench/gpu_session.sh jit      # Triton kernels compiling while an engine serves (vLLM's
 #                                      # verbose JIT monitor), a wave per batch size
 #                                      # (JIT_CONFIGS, JIT_BATCH_SIZES)

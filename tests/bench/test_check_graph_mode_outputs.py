@@ -5,6 +5,8 @@ import json
 import subprocess
 import types
 
+import pytest
+
 import bench.check_graph_mode_outputs as check
 
 
@@ -47,3 +49,24 @@ def test_driver_compares_every_mode_with_the_first_and_records_failures(tmp_path
     assert runs["full"]["against_eager"]["differ_at_first_token"] == 1
     assert runs["full"]["against_eager"]["identical"] == 1
     assert runs["default"]["error"] == "exit 1" and runs["default"]["stderr_tail"] == "boom"
+
+
+def test_full_maxq_sets_the_capture_max_query_len_to_the_token_count_only_when_capturing():
+    calls = []
+    state = types.SimpleNamespace(build_attn_metadata=lambda **kw: calls.append(kw) or "meta")
+    check.capture_max_query_len_as_token_count(state)
+    assert state.build_attn_metadata(num_tokens=96, max_query_len=2,
+                                     for_cudagraph_capture=True) == "meta"
+    state.build_attn_metadata(num_tokens=96, max_query_len=7, for_cudagraph_capture=False)
+    assert [c["max_query_len"] for c in calls] == [96, 7]
+    assert check.MODES["full-maxq"] == check.MODES["full"]
+
+
+def test_full_maxq_wraps_the_function_vllm_calls():
+    vllm_default = pytest.importorskip("vllm.v1.worker.gpu.model_states.default")
+    original = vllm_default.build_attn_metadata
+    try:
+        check.capture_max_query_len_as_token_count()
+        assert vllm_default.build_attn_metadata is not original
+    finally:
+        vllm_default.build_attn_metadata = original
