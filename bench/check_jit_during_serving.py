@@ -94,9 +94,9 @@ def serve(args) -> None:
         llm = LLM(**kw)
     for i, batch in enumerate(args.batch_sizes):
         print(f"{MARKER} batch={batch}", file=sys.stderr, flush=True)
-        params = [SamplingParams(temperature=t, max_tokens=args.max_tokens, ignore_eos=True,
-                                 seed=j)
-                  for j, t in enumerate([0.0, 1.0] * batch)][:batch]
+        params = [SamplingParams(temperature=float(j % 2), max_tokens=args.max_tokens,
+                                 ignore_eos=True, seed=j)
+                  for j in range(batch)]
         llm.generate([{"prompt_token_ids": p} for p in prompts(batch, seed=i)], params,
                      use_tqdm=False)
     print(f"{MARKER} done", file=sys.stderr, flush=True)

@@ -237,6 +237,17 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
             + ", ".join(unsupported)
         )
 
+    observability = getattr(vllm_config, "observability_config", None)
+    if getattr(observability, "jit_monitor_mode", None) == "error":
+        raise DDTreeConfigError(
+            "ddtree: --jit-monitor-mode error would stop the engine at its first "
+            "requests: vLLM 0.26's DFlash input kernel (_prepare_dflash_inputs_kernel, "
+            "which ddtree drafts with) compiles again while serving for each new range "
+            "of prompt lengths, after the start-up warm-up (docs/benchmarks.md, session "
+            "15). Use --jit-monitor-mode warn (the default), which logs each kernel "
+            "that compiles."
+        )
+
     parallel = vllm_config.parallel_config
     if is_auto_tokens_per_step(spec) and getattr(parallel, "data_parallel_size", 1) > 1:
         raise DDTreeConfigError(

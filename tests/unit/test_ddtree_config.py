@@ -16,6 +16,7 @@ from vllm.config import (  # noqa: E402
     CacheConfig,
     CompilationConfig,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -339,6 +340,19 @@ def test_v1_runner_is_refused(target_config, spec32, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(DDTreeConfigError, match="V2 model runner"):
         validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
+def test_jit_monitor_error_mode_is_refused_at_start_up(target_config, spec32, monkeypatch):
+    # vLLM's DFlash input kernel compiles while serving (session 15's JIT check): the
+    # error mode would kill the engine at its first requests instead.
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(target_config, spec32,
+                         observability_config=ObservabilityConfig(jit_monitor_mode="error"))
+    with pytest.raises(DDTreeConfigError, match="jit-monitor-mode error.*warn"):
+        validate_ddtree_vllm_config(cfg)
+    cfg.observability_config = ObservabilityConfig(jit_monitor_mode="warn",
+                                                   jit_monitor_verbose=True)
+    validate_ddtree_vllm_config(cfg)
 
 
 def test_pipeline_parallelism_is_refused(target_config, spec32, monkeypatch):
