@@ -61,10 +61,11 @@ def capture_max_query_len_as_token_count(default_state=None) -> None:
     default_state.build_attn_metadata = build_attn_metadata
 
 
-def prompts(num: int, seed: int = 0) -> list[list[int]]:
-    """Token-id prompts of 100-200 tokens (ids 100-30000: inside SmolLM2's vocabulary)."""
+def prompts(num: int, seed: int = 0, lengths: tuple[int, int] = (100, 200)) -> list[list[int]]:
+    """Token-id prompts of ``lengths`` tokens (end exclusive; ids 100-30000: inside
+    SmolLM2's and Qwen's vocabularies)."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, 30000) for _ in range(rng.randrange(100, 200))]
+    return [[rng.randrange(100, 30000) for _ in range(rng.randrange(*lengths))]
             for _ in range(num)]
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import subprocess
 import sys
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,28 +60,17 @@ def parse_log(lines: list[str]) -> dict:
         if m:
             events.append({"phase": phase, "backend": "Triton", "event": "autotuning",
                            "kernel": m["name"], "detail": None})
-    by_kernel: dict[str, int] = {}
-    for e in events:
-        by_kernel[e["kernel"]] = by_kernel.get(e["kernel"], 0) + 1
-    phases: dict[str, int] = {}
-    for e in events:
-        phases[e["phase"]] = phases.get(e["phase"], 0) + 1
-    return {"events": events, "compiles_by_kernel": by_kernel, "compiles_by_phase": phases,
+    return {"events": events,
+            "compiles_by_kernel": dict(Counter(e["kernel"] for e in events)),
+            "compiles_by_phase": dict(Counter(e["phase"] for e in events)),
             "total": len(events)}
-
-
-def prompts(num: int, seed: int) -> list[list[int]]:
-    """Token-id prompts of 40-120 tokens (ids 100-30000: inside SmolLM2's and Qwen's
-    vocabularies)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 30000) for _ in range(rng.randrange(40, 120))]
-            for _ in range(num)]
 
 
 def serve(args) -> None:
     """The engine side (a child process): markers on stderr, one wave a batch size."""
     from vllm import LLM, SamplingParams
 
+    from bench.check_graph_mode_outputs import prompts
     from bench.run import config_engine_kwargs, engine_environment, parse_config
 
     cfg = parse_config(args.config)
@@ -97,7 +86,9 @@ def serve(args) -> None:
         params = [SamplingParams(temperature=float(j % 2), max_tokens=args.max_tokens,
                                  ignore_eos=True, seed=j)
                   for j in range(batch)]
-        llm.generate([{"prompt_token_ids": p} for p in prompts(batch, seed=i)], params,
+        # Token-id prompts of 40-120 tokens, another set at each batch size.
+        llm.generate([{"prompt_token_ids": p} for p in prompts(batch, seed=i, lengths=(40, 120))],
+                     params,
                      use_tqdm=False)
     print(f"{MARKER} done", file=sys.stderr, flush=True)
 

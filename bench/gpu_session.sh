@@ -418,6 +418,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong|graphmodes" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong|graphmodes|jit" >&2; exit 2 ;;
 esac
 done
