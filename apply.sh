@@ -83,6 +83,22 @@ REVERT_CMD="./apply.sh --revert"
 [[ $MODE != venv ]] && REVERT_CMD="./apply.sh --$MODE $TARGET --revert"
 venv_site() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
+# The pinned vLLM brings torch with its CUDA libraries: 7.9 GB in .venv, 0.5 GB in
+# .venv-lint, plus pip's downloads while it installs. Refuses to start (instead of
+# pip's "No space left on device" minutes later) when the disk holding DIR or TMPDIR
+# has less than DDTREE_MIN_FREE_GB (default 10; 0 skips the check) free.
+require_free_disk() {
+  local need=${DDTREE_MIN_FREE_GB:-10} dir free_kb
+  [[ $need =~ ^[0-9]+$ ]] || die "DDTREE_MIN_FREE_GB must be a whole number of GB, got '$need'"
+  [[ $need == 0 ]] && return 0
+  for dir in "$(dirname "$1")" "${TMPDIR:-/tmp}"; do
+    free_kb=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+    if [[ $free_kb =~ ^[0-9]+$ ]] && (( free_kb < need * 1024 * 1024 )); then
+      die "only $((free_kb / 1024)) MB free on the disk holding $dir; installing vllm==$VLLM_VERSION needs about $need GB (free some space, or set DDTREE_MIN_FREE_GB to override)"
+    fi
+  done
+}
+
 # Creates .venv if missing and installs the pinned vLLM and the test requirements, unless
 # a stamp says this exact set is already there. Sets TARGET to the venv's site-packages.
 setup_venv() {
@@ -99,6 +115,7 @@ setup_venv() {
     say "check: would set up $VENV (vllm==$VLLM_VERSION, requirements-test.txt, vllm_ddtree) and apply the series there; nothing was changed"
     exit 0
   else
+    require_free_disk "$VENV"
     if [[ ! -x $VENV/bin/python ]]; then
       say "creating $VENV"
       python3 -m venv "$VENV"
@@ -109,8 +126,14 @@ setup_venv() {
       say "$VENV has vLLM $found carrying a series; reverting it before installing $VLLM_VERSION"
       "${BASH_SOURCE[0]}" --site "$site" --revert --upstream "$UPSTREAM_FILE"
     fi
-    say "installing vllm==$VLLM_VERSION and requirements-test.txt into $VENV (a few GB on a fresh machine)"
-    "$VENV/bin/python" -m pip install "vllm==$VLLM_VERSION" -r "$REPO/requirements-test.txt"
+    say "installing vllm==$VLLM_VERSION and requirements-test.txt into $VENV (about 8 GB on a fresh machine)"
+    # No pip cache (it would hold a second copy of every downloaded wheel) and a scratch
+    # TMPDIR removed afterwards (pip leaves unpacked downloads behind in it).
+    local scratch
+    scratch=$(mktemp -d "${TMPDIR:-/tmp}/ddtree-pip.XXXXXX")
+    TMPDIR=$scratch "$VENV/bin/python" -m pip install --no-cache-dir \
+      "vllm==$VLLM_VERSION" -r "$REPO/requirements-test.txt" || { rm -rf "$scratch"; exit 1; }
+    rm -rf "$scratch"
     echo "$want" > "$stamp"
   fi
   if [[ $DRY == 0 ]]; then

@@ -15,7 +15,7 @@ if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
 fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/requirements-lint.txt"
+"$venv/bin/python" -m pip install --quiet --no-cache-dir --disable-pip-version-check -r "$root/requirements-lint.txt"
 "$venv/bin/python" -m pip check
 printf '%s\n' "$want" >"$stamp"
 echo "setup-lint-venv: installed requirements-lint.txt into $venv"

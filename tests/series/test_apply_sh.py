@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,26 @@ def test_source_checkout_mode(tmp_path, make_series, run_apply, kit):
     r = run_apply("--source", str(src), "--revert", upstream=right)
     assert r.returncode == 0, r.stderr
     assert kit.git(src, "status", "--porcelain") == ""
+
+
+def _repo_copy_without_venv(tmp_path: Path) -> Path:
+    """What apply.sh reads of a fresh clone, without .venv."""
+    repo = tmp_path / "clone"
+    (repo / "patches").mkdir(parents=True)
+    (repo / "vllm_ddtree").mkdir()
+    for name in ("apply.sh", "UPSTREAM", "requirements-test.txt"):
+        shutil.copy2(REPO / name, repo / name)
+    shutil.copy2(REPO / "vllm_ddtree" / "manifest.py", repo / "vllm_ddtree" / "manifest.py")
+    return repo
+
+
+@pytest.mark.parametrize("need, message", [
+    ("100000000", "MB free on the disk holding"),  # 100 PB: never there
+    ("ten", "DDTREE_MIN_FREE_GB must be a whole number of GB, got 'ten'"),
+])
+def test_venv_setup_refuses_before_installing_without_disk_space(tmp_path, need, message):
+    repo = _repo_copy_without_venv(tmp_path)
+    r = subprocess.run([str(repo / "apply.sh")], capture_output=True, text=True,
+                       env={**os.environ, "DDTREE_MIN_FREE_GB": need}, timeout=60)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert not (repo / ".venv").exists()  # refused before creating anything
