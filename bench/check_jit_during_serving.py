@@ -19,6 +19,13 @@ lines, in order, between markers this script writes):
         --out $OUT/jit-during-serving-ddtree.json
 
 ``--fail-on-compile`` exits 1 when any kernel compiled after the warm-up.
+
+The monitor cuts Triton's key short, so the engine also runs with
+``bench/jit_key_hook/sitecustomize.py``, which prints each compilation's whole key
+(start-up ones included); the report's ``keys`` lists them by phase and
+``varying_args`` names, for each kernel compiled more than once, the arguments and
+constexprs whose specialisation differed between its compilations (what a warm-up has
+to cover).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MARKER = "JITCHECK-PHASE"
+KEY_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jit_key_hook")
+KEY_MARKER = "JITCHECK-KEY"  # bench/jit_key_hook/sitecustomize.py's lines
 # vllm/utils/jit_monitor.py: "<backend> <event> during inference: <name>[ (<detail>)]. ..."
 _EVENT = re.compile(r"(?P<backend>Triton|CuTeDSL|TileLang) (?P<event>[\w ]+?) during "
                     r"inference: (?P<name>[\w.<>]+)(?: \((?P<detail>.*)\))?\. This causes")
@@ -47,9 +56,17 @@ def parse_log(lines: list[str]) -> dict:
     the monitor only activates once the engine is ready)."""
     phase = "start-up"
     events: list[dict] = []
+    keys: list[dict] = []
     for line in lines:
         if MARKER in line:
             phase = line.split(MARKER, 1)[1].strip()
+            continue
+        if KEY_MARKER in line:
+            try:
+                key = json.loads(line.split(KEY_MARKER, 1)[1])
+            except json.JSONDecodeError:
+                key = {"error": "unreadable key line"}
+            keys.append({"phase": phase, **key})
             continue
         m = _EVENT.search(line)
         if m:
@@ -63,7 +80,31 @@ def parse_log(lines: list[str]) -> dict:
     return {"events": events,
             "compiles_by_kernel": dict(Counter(e["kernel"] for e in events)),
             "compiles_by_phase": dict(Counter(e["phase"] for e in events)),
-            "total": len(events)}
+            "total": len(events),
+            "keys": keys,
+            "varying_args": varying_args(keys)}
+
+
+def varying_args(keys: list[dict]) -> dict[str, dict[str, list]]:
+    """For each kernel compiled more than once (start-up included): every argument or
+    constexpr whose specialisation was not the same in all its compilations, with the
+    values seen, in order of first appearance."""
+    by_kernel: dict[str, list[dict]] = {}
+    for key in keys:
+        if "kernel" in key:
+            by_kernel.setdefault(key["function"], []).append(
+                {**key.get("args", {}), **key.get("constexprs", {})})
+    out: dict[str, dict[str, list]] = {}
+    for function, specs in by_kernel.items():
+        names = dict.fromkeys(name for spec in specs for name in spec)
+        varying = {}
+        for name in names:
+            seen = list(dict.fromkeys(json.dumps(spec.get(name)) for spec in specs))
+            if len(seen) > 1:
+                varying[name] = [json.loads(v) for v in seen]
+        if varying:
+            out[function.rsplit(".", 1)[-1]] = varying
+    return out
 
 
 def serve(args) -> None:
@@ -124,9 +165,11 @@ def main() -> int:
            "--drafter", args.drafter, "--config", args.config, "--max-tokens",
            str(args.max_tokens), "--dtype", args.dtype, "--batch-sizes",
            *map(str, args.batch_sizes)]
+    python_path = [KEY_HOOK_DIR, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "JITCHECK_KEYS": "1", "PYTHONPATH": os.pathsep.join(python_path)}
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=args.timeout_s)
+                              text=True, timeout=args.timeout_s, env=env)
         text, rc = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout or ""
@@ -146,6 +189,8 @@ def main() -> int:
           f"{report['total']} {report['compiles_by_phase']}", flush=True)
     for e in report["events"]:
         print(f"  [{e['phase']}] {e['kernel']}: {(e['detail'] or '')[:600]}", flush=True)
+    for kernel, varying in report["varying_args"].items():
+        print(f"  {kernel} compiled with differing {json.dumps(varying)}", flush=True)
     if not finished:
         return 2
     return 1 if args.fail_on_compile and report["total"] else 0
