@@ -116,7 +116,11 @@ setup_venv() {
     say "check: would set up $VENV (vllm==$VLLM_VERSION, requirements-test.txt, vllm_ddtree) and apply the series there; nothing was changed"
     exit 0
   else
-    require_free_disk "$VENV"
+    # Only a set-up that installs vLLM itself needs the room; one that adds a test
+    # requirement to a venv with the pinned vLLM does not.
+    if [[ -z $found ]] || ! manifest version-matches "$found" "$VLLM_VERSION"; then
+      require_free_disk "$VENV"
+    fi
     if [[ ! -x $VENV/bin/python ]]; then
       say "creating $VENV"
       python3 -m venv "$VENV"
