@@ -189,6 +189,13 @@ def main() -> int:
           f"{report['total']} {report['compiles_by_phase']}", flush=True)
     for e in report["events"]:
         print(f"  [{e['phase']}] {e['kernel']}: {(e['detail'] or '')[:600]}", flush=True)
+    keys = report["keys"]
+    print(f"whole keys recorded: {len(keys)} "
+          f"({sum(k['phase'] == 'start-up' for k in keys)} at start-up)", flush=True)
+    if not keys:
+        print("  none: the key hook did not run in the engine (was Triton's "
+              "jit_post_compile_hook replaced?); varying_args is empty for that reason",
+              flush=True)
     for kernel, varying in report["varying_args"].items():
         print(f"  {kernel} compiled with differing {json.dumps(varying)}", flush=True)
     if not finished:

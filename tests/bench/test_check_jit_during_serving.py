@@ -59,7 +59,7 @@ def _fake_run(log, returncode=0):
 
 @pytest.mark.parametrize("fail_flag, expected_rc", [([], 0), (["--fail-on-compile"], 1)])
 def test_driver_writes_the_report_and_fails_on_compiles_only_when_asked(
-        tmp_path, monkeypatch, fail_flag, expected_rc):
+        tmp_path, monkeypatch, capsys, fail_flag, expected_rc):
     log = "\n".join([f"{check.MARKER} batch=1", WALK, f"{check.MARKER} done"])
     monkeypatch.setattr(subprocess, "run", _fake_run(log))
     out = tmp_path / "jit.json"
@@ -70,6 +70,8 @@ def test_driver_writes_the_report_and_fails_on_compiles_only_when_asked(
     report = json.loads(out.read_text())
     assert report["finished"] and report["total"] == 1 and report["config"] == "ddtree-b64-t512"
     assert (tmp_path / "jit.log").read_text() == log
+    # No key lines in this log: the output says the key hook did not run.
+    assert "whole keys recorded: 0" in capsys.readouterr().out
 
 
 def test_an_engine_that_never_finished_is_not_a_pass(tmp_path, monkeypatch):
