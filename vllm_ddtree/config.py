@@ -240,11 +240,12 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
     observability = getattr(vllm_config, "observability_config", None)
     if getattr(observability, "jit_monitor_mode", None) == "error":
         raise DDTreeConfigError(
-            "ddtree: --jit-monitor-mode error would stop the engine at its first "
+            "ddtree: --jit-monitor-mode error could stop the engine at its first "
             "requests: vLLM 0.26's DFlash input kernel (_prepare_dflash_inputs_kernel, "
-            "which ddtree drafts with) compiles again while serving for each new range "
-            "of prompt lengths, after the start-up warm-up (docs/benchmarks.md, session "
-            "15). Use --jit-monitor-mode warn (the default), which logs each kernel "
+            "which ddtree drafts with) compiled again while serving for each new range "
+            "of prompt lengths after the start-up warm-up (docs/benchmarks.md, session "
+            "15); ddtree now warms it up for every block size, not yet confirmed on a "
+            "GPU. Use --jit-monitor-mode warn (the default), which logs each kernel "
             "that compiles."
         )
 

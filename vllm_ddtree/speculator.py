@@ -24,6 +24,7 @@ One step, for every request of a batch, all on the GPU and without host syncs:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from vllm_ddtree.context_store_graphs import (
     context_graphs_enabled,
     padded_graph_size,
 )
+from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree.env import env_flag
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
@@ -167,6 +169,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.context_graphs_wanted = context_graphs_enabled()
         self._context_graphs: ContextStoreGraphs | None = None
         self._decode_context_graphs: ContextStoreGraphs | None = None
+        # vLLM's DFlash input kernel is compiled for every block size after the first
+        # drafting step (vllm_ddtree.dflash_input_warmup).
+        self._input_kernel_warm = False
         if self.profiler is not None:
             self.profiler.info = {"tree_budget": self.tree_budget, "tree_depth": self.tree_depth}
         logger.info(
@@ -215,11 +220,35 @@ class DDTreeSpeculator(DFlashSpeculator):
         ``prepare_dflash_inputs`` + ``precompute_and_store_context_kv``), without
         the query forward. Trees of these requests become root-only, so none that
         sits out steps keeps an old tree."""
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
-
         num_tokens = input_batch.num_tokens
         # Into the persistent buffer that the context-store graphs read.
         self.hidden_states[:num_tokens].copy_(hidden_states[:num_tokens])
+        self._prepare_drafter_inputs(
+            input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens
+        )
+        if self._layer_group_idx is not None:
+            context_slots = [
+                self._context_slot_mappings[g][:num_tokens] for g in self._layer_group_idx
+            ]
+        else:
+            context_slots = self._context_slot_mappings[0][:num_tokens]
+        self.model.precompute_and_store_context_kv(
+            self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
+        )
+        self.valid_by_state[input_batch.idx_mapping, 1:] = False
+
+    def _prepare_drafter_inputs(
+        self,
+        input_batch: InputBatch,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+    ) -> None:
+        """vLLM 0.26's ``prepare_dflash_inputs`` for each drafter KV group, as DFlash's
+        propose() calls it: the drafter's query, context positions and slots."""
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
         for i, gid in enumerate(self.draft_kv_cache_group_ids):
             prepare_dflash_inputs(
                 self.input_buffers,
@@ -244,16 +273,35 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.max_model_len,
                 self.sample_from_anchor,
             )
-        if self._layer_group_idx is not None:
-            context_slots = [
-                self._context_slot_mappings[g][:num_tokens] for g in self._layer_group_idx
-            ]
-        else:
-            context_slots = self._context_slot_mappings[0][:num_tokens]
-        self.model.precompute_and_store_context_kv(
-            self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
+
+    def _warm_up_input_kernel(
+        self, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor
+    ) -> None:
+        """vLLM's DFlash input kernel compiled for every block size a step can select
+        (:mod:`vllm_ddtree.dflash_input_warmup`), once, after the first drafting step:
+        the buffers it writes are rewritten by the next step before anything reads
+        them. A failure only leaves those sizes to compile at first use."""
+        self._input_kernel_warm = True
+        start = time.perf_counter()
+        try:
+            blocks = warm_up_dflash_input_kernel(
+                lambda batch, num_sampled, num_rejected: self._prepare_drafter_inputs(
+                    batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens
+                ),
+                self.num_query_per_req,
+                self.max_num_tokens,
+                self.device,
+            )
+        except Exception as e:  # an optimisation: never fail the step over it
+            logger.warning(
+                "DDTree: warming up vLLM's DFlash input kernel failed (%s); its block "
+                "sizes compile at first use instead", e,
+            )
+            return
+        logger.info(
+            "DDTree: vLLM's DFlash input kernel warmed up for block sizes %s (%.2f s)",
+            blocks, time.perf_counter() - start,
         )
-        self.valid_by_state[input_batch.idx_mapping, 1:] = False
 
     def _draft_budget(self, num_reqs: int) -> int:
         """Tree budget to draft for a drafter batch of ``num_reqs`` (padded) requests."""
@@ -657,6 +705,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             self._profiling_draft = False
         if not dummy_run:
             self._store_trees(input_batch.idx_mapping)
+            if not self._input_kernel_warm:
+                self._warm_up_input_kernel(last_sampled, next_prefill_tokens)
         if profiler is not None:
             profiler.mark("drafted")
         return draft_tokens

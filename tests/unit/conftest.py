@@ -12,6 +12,7 @@ that need the kernels re-run themselves in a fresh subprocess with the interpret
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -70,5 +71,7 @@ def triton_device(request, monkeypatch):
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 0, f"subprocess run of {request.node.nodeid} failed:\n{proc.stdout}\n{proc.stderr}"
+    # Passed there, not skipped (pytest exits 0 for a skipped test too).
+    assert proc.returncode == 0 and re.search(r"\b1 passed\b", proc.stdout), \
+        f"subprocess run of {request.node.nodeid} failed:\n{proc.stdout}\n{proc.stderr}"
     pytest.skip("passed in a subprocess with TRITON_INTERPRET=1 (Triton was imported compiled here)")

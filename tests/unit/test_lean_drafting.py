@@ -255,6 +255,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
         precompute_and_store_context_kv=lambda h, pos, slots: calls["store"].append(
             (h.clone(), pos.clone(), slots.clone())))
     spec._store_trees = lambda idx: None
+    spec._input_kernel_warm = True  # tests/unit/test_dflash_input_warmup.py covers it
     return spec, calls
 
 
@@ -281,6 +282,29 @@ def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
     # The three requests' trees are root-only now; other states untouched.
     assert not spec.valid_by_state[[5, 1, 3], 1:].any()
     assert spec.valid_by_state[[5, 1, 3], 0].all() and spec.valid_by_state[[0, 2, 4]].all()
+
+
+def test_dflash_input_kernel_warms_up_after_the_first_drafting_step_only(monkeypatch):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    spec._input_kernel_warm = False
+    warm_ups = []
+
+    def warm_up(last_sampled, next_prefill_tokens):
+        warm_ups.append(calls["super"])  # how many drafting steps had run by then
+        spec._input_kernel_warm = True
+
+    spec._warm_up_input_kernel = warm_up
+    _propose(spec, 3, torch.randn(3, 5))  # budget 0: no drafting step
+    z = torch.zeros(2)
+    batch = types.SimpleNamespace(num_reqs=2, num_tokens=2, idx_mapping=torch.tensor([5, 1]))
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(2, 5), None, z, z, z, z, z, z,
+                             dummy_run=True)  # vLLM's dummy runs do not count
+    assert warm_ups == []
+    for _ in range(3):
+        _propose(spec, 2, torch.randn(2, 5))
+    assert warm_ups == [2]  # after the first real drafting step, once
 
 
 def _decode_graph_fake(spec, calls, positions):

@@ -1,0 +1,188 @@
+"""vllm_ddtree.dflash_input_warmup: the block sizes it compiles are the ones vLLM's
+``prepare_dflash_inputs`` picks, and vLLM's kernel runs on its one-request batches
+(Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from vllm_ddtree.dflash_input_warmup import (
+    OneRequestBatch,
+    dflash_input_block_size,
+    warm_up_dflash_input_kernel,
+    warm_up_query_lengths,
+)
+
+dflash = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.dflash.speculator")
+
+BLOCK_SIZE_KV = 16  # the KV cache's block size (tokens), not the kernel's BLOCK_SIZE
+
+
+@pytest.fixture
+def vllm_triton(request):
+    """vLLM with real Triton. Without a GPU driver vLLM hands out a Triton placeholder
+    unless CUDA_VISIBLE_DEVICES is empty (and TRITON_INTERPRET=1) when it is first
+    imported, so the test then runs again in a subprocess with that environment."""
+    if hasattr(dflash.triton, "next_power_of_2"):
+        return
+    if os.environ.get("_DDTREE_TEST_SUBPROCESS") == "1":
+        pytest.fail("vLLM kept its Triton placeholder with CUDA_VISIBLE_DEVICES empty")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               _DDTREE_TEST_SUBPROCESS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        cwd=str(request.config.rootpath), env=env, capture_output=True, text=True,
+        timeout=600)
+    # Passed there, not skipped (pytest exits 0 for a skipped test too).
+    assert proc.returncode == 0 and re.search(r"\b1 passed\b", proc.stdout), \
+        f"subprocess run failed:\n{proc.stdout}\n{proc.stderr}"
+    pytest.skip("passed in a subprocess with vLLM's real Triton (CUDA_VISIBLE_DEVICES empty)")
+
+
+def _buffers(max_num_reqs: int, max_num_tokens: int, num_query_per_req: int,
+             num_steps: int, device) -> dict:
+    """The drafter's buffers with the runner's dtypes, as prepare_dflash_inputs gets them."""
+    z = lambda n, dt: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+    max_q = max_num_reqs * num_query_per_req
+    return dict(
+        input_buffers=types.SimpleNamespace(
+            input_ids=z(max_q, torch.int32), positions=z(max_q, torch.int64),
+            query_start_loc=z(max_num_reqs + 1, torch.int32),
+            seq_lens=z(max_num_reqs, torch.int32)),
+        query_slot_mapping=z(max_num_tokens, torch.int64),
+        context_positions=z(max_num_tokens, torch.int64),
+        context_slot_mapping=z(max_num_tokens, torch.int64),
+        sample_indices=z(max_num_reqs * num_steps, torch.int64),
+        sample_pos=z(max_num_reqs * num_steps, torch.int64),
+        sample_idx_mapping=z(max_num_reqs * num_steps, torch.int32),
+        last_sampled=torch.full((max_num_reqs,), 7, dtype=torch.int64, device=device),
+        next_prefill_tokens=z(max_num_reqs, torch.int32),
+        # Request state 0's blocks are 3, 4, 5, ... (slot = block * 16 + offset).
+        block_table=(torch.arange(40, dtype=torch.int32, device=device) + 3).repeat(
+            max_num_reqs, 1),
+    )
+
+
+def _prepare(b: dict, num_query_per_req: int, max_num_reqs: int, max_num_tokens: int,
+             max_model_len: int = 4096):
+    """A prepare(batch, num_sampled, num_rejected) calling vLLM's own function."""
+    def prepare(batch, num_sampled, num_rejected):
+        dflash.prepare_dflash_inputs(
+            b["input_buffers"], b["query_slot_mapping"], b["context_positions"],
+            b["context_slot_mapping"], b["sample_indices"], b["sample_pos"],
+            b["sample_idx_mapping"], batch, num_sampled, num_rejected, b["last_sampled"],
+            b["next_prefill_tokens"], b["block_table"], BLOCK_SIZE_KV, 99,
+            num_query_per_req, num_query_per_req - 1, max_num_reqs, max_num_tokens,
+            max_model_len)
+    return prepare
+
+
+def test_block_sizes_are_the_ones_vllms_prepare_picks(vllm_triton, monkeypatch):
+    launched = []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["BLOCK_SIZE"])
+
+    monkeypatch.setattr(dflash, "_prepare_dflash_inputs_kernel", RecordingKernel())
+    for num_query_per_req in (16, 9, 1):
+        for max_num_tokens in (1, 20, 48, 200, 2048):
+            _check_block_sizes(launched, num_query_per_req, max_num_tokens)
+
+
+def _check_block_sizes(launched: list, num_query_per_req: int, max_num_tokens: int):
+    b = _buffers(4, max_num_tokens, num_query_per_req, max(num_query_per_req - 1, 1), "cpu")
+    prepare = _prepare(b, num_query_per_req, 4, max_num_tokens)
+    ones, zeros = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    # Every block size vLLM can pick for a step of at most max_num_tokens tokens...
+    picked = {}
+    for query_len in range(1, max_num_tokens + 1):
+        launched.clear()
+        prepare(OneRequestBatch(query_len, torch.device("cpu")), ones, zeros)
+        picked.setdefault(launched[0], query_len)
+        assert launched[0] == dflash_input_block_size(query_len, num_query_per_req)
+    # ... is warmed up, each at the shortest query that picks it.
+    assert warm_up_query_lengths(num_query_per_req, max_num_tokens) == picked
+    launched.clear()
+    blocks = warm_up_dflash_input_kernel(prepare, num_query_per_req, max_num_tokens,
+                                         torch.device("cpu"))
+    assert launched == blocks == sorted(picked)
+
+
+def test_a_drafter_of_15_positions_needs_four_block_sizes():
+    assert warm_up_query_lengths(16, 8192) == {32: 1, 64: 17, 128: 49, 256: 113}
+    assert warm_up_query_lengths(16, 64) == {32: 1, 64: 17, 128: 49}
+
+
+def test_vllms_kernel_runs_on_the_warm_up_batches(vllm_triton, triton_device):
+    """The real kernel, for every block size: the one request's drafter query and
+    context are laid out as at any step (bonus token, then the mask tokens, at the
+    positions after the context; slots from the block table; padding elsewhere)."""
+    nq, max_reqs, max_tokens = 16, 4, 160
+    b = _buffers(max_reqs, max_tokens, nq, nq - 1, triton_device)
+    seen = []
+
+    def prepare(batch, num_sampled, num_rejected):
+        _prepare(b, nq, max_reqs, max_tokens)(batch, num_sampled, num_rejected)
+        q = batch.num_tokens
+        ib = b["input_buffers"]
+        assert ib.input_ids[0].item() == 7  # the request's last sampled token
+        assert (ib.input_ids[1:nq] == 99).all()  # the drafter's mask token
+        query_pos = torch.arange(q, q + nq)
+        assert torch.equal(ib.positions[:nq].cpu(), query_pos)
+        assert torch.equal(b["query_slot_mapping"][:nq].cpu(),
+                           (query_pos // BLOCK_SIZE_KV + 3) * BLOCK_SIZE_KV
+                           + query_pos % BLOCK_SIZE_KV)
+        assert (b["query_slot_mapping"][nq:] == -1).all()  # PAD_SLOT_ID
+        assert torch.equal(b["context_positions"][:q].cpu(), torch.arange(q))
+        assert ib.seq_lens[0].item() == q + nq and (ib.seq_lens[1:] == 0).all()
+        seen.append(q)
+
+    blocks = warm_up_dflash_input_kernel(prepare, nq, max_tokens, triton_device)
+    assert blocks == [32, 64, 128, 256] and seen == [1, 17, 49, 113]
+
+
+def _speculator(prepare_calls, fail=False):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU, no engine
+    spec.num_query_per_req, spec.max_num_tokens, spec.device = 16, 64, torch.device("cpu")
+    spec._input_kernel_warm = False
+
+    def prepare(batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens):
+        if fail:
+            raise RuntimeError("no such kernel")
+        prepare_calls.append((batch.num_tokens, last_sampled, next_prefill_tokens))
+
+    spec._prepare_drafter_inputs = prepare
+    return spec
+
+
+def test_speculator_warm_up_uses_its_own_prepare_call(caplog):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    calls = []
+    spec = _speculator(calls)
+    with caplog.at_level(logging.INFO):
+        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next")
+    assert calls == [(1, "last", "next"), (17, "last", "next"), (49, "last", "next")]
+    assert spec._input_kernel_warm
+    assert "block sizes [32, 64, 128]" in caplog.text
+
+
+def test_a_failed_warm_up_is_a_warning_not_an_error(caplog):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec = _speculator([], fail=True)
+    with caplog.at_level(logging.WARNING):
+        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next")
+    assert spec._input_kernel_warm  # not tried again at every step
+    assert "no such kernel" in caplog.text and "compile at first use" in caplog.text
