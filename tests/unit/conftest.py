@@ -61,8 +61,36 @@ def triton_device(request, monkeypatch):
     if _triton_stdlib_interpreted():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         return torch.device("cpu")
+    rerun_in_interpreter_subprocess(
+        request,
+        "Triton interpreter could not be enabled in the subprocess",
+        "passed in a subprocess with TRITON_INTERPRET=1 (Triton was imported compiled here)",
+    )
+
+
+@pytest.fixture
+def vllm_triton(request):
+    """vLLM with real Triton. Without a GPU driver vLLM hands out a Triton placeholder
+    unless CUDA_VISIBLE_DEVICES is empty (and TRITON_INTERPRET=1) when it is first
+    imported, so the test then runs again in a subprocess with that environment."""
+    vllm_triton_utils = pytest.importorskip("vllm.triton_utils")
+    if hasattr(vllm_triton_utils.triton, "next_power_of_2"):
+        return
+    rerun_in_interpreter_subprocess(
+        request,
+        "vLLM kept its Triton placeholder with CUDA_VISIBLE_DEVICES empty",
+        "passed in a subprocess with vLLM's real Triton (CUDA_VISIBLE_DEVICES empty)",
+        timeout=600,
+    )
+
+
+def rerun_in_interpreter_subprocess(request, failure_there: str, skip_reason: str,
+                                    timeout: float | None = None) -> None:
+    """Runs the requesting test again in a fresh pytest process with Triton's
+    interpreter on and no GPU visible, then skips it here with ``skip_reason``. Fails
+    with ``failure_there`` when already in such a subprocess."""
     if os.environ.get("_DDTREE_TEST_SUBPROCESS") == "1":
-        pytest.fail("Triton interpreter could not be enabled in the subprocess")
+        pytest.fail(failure_there)
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", _DDTREE_TEST_SUBPROCESS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
@@ -70,8 +98,9 @@ def triton_device(request, monkeypatch):
         env=env,
         capture_output=True,
         text=True,
+        timeout=timeout,
     )
     # Passed there, not skipped (pytest exits 0 for a skipped test too).
     assert proc.returncode == 0 and re.search(r"\b1 passed\b", proc.stdout), \
         f"subprocess run of {request.node.nodeid} failed:\n{proc.stdout}\n{proc.stderr}"
-    pytest.skip("passed in a subprocess with TRITON_INTERPRET=1 (Triton was imported compiled here)")
+    pytest.skip(skip_reason)
