@@ -83,19 +83,19 @@ REVERT_CMD="./apply.sh --revert"
 [[ $MODE != venv ]] && REVERT_CMD="./apply.sh --$MODE $TARGET --revert"
 venv_site() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
-# The pinned vLLM brings torch with its CUDA libraries: 7.9 GB in .venv, 0.5 GB in
-# .venv-lint, plus pip's downloads while it installs (11.4 GB at the peak, measured on a
+# The pinned vLLM brings torch with its CUDA libraries: 7.9 GiB in .venv, 0.5 GiB in
+# .venv-lint, plus pip's downloads while it installs (10.8 GiB at the peak, measured on a
 # fresh clone). Refuses to start (instead of pip's "No space left on device" minutes
 # later) when the disk holding DIR or TMPDIR has less than DDTREE_MIN_FREE_GB (default
-# 12; 0 skips the check) free.
+# 12 GiB; 0 skips the check) free.
 require_free_disk() {
   local need=${DDTREE_MIN_FREE_GB:-12} dir free_kb
-  [[ $need =~ ^[0-9]+$ ]] || die "DDTREE_MIN_FREE_GB must be a whole number of GB, got '$need'"
+  [[ $need =~ ^[0-9]+$ ]] || die "DDTREE_MIN_FREE_GB must be a whole number of GiB, got '$need'"
   [[ $need == 0 ]] && return 0
   for dir in "$(dirname "$1")" "${TMPDIR:-/tmp}"; do
     free_kb=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
     if [[ $free_kb =~ ^[0-9]+$ ]] && (( free_kb < need * 1024 * 1024 )); then
-      die "only $((free_kb / 1024)) MB free on the disk holding $dir; installing vllm==$VLLM_VERSION needs about $need GB (free some space, or set DDTREE_MIN_FREE_GB to override)"
+      die "only $((free_kb / 1024)) MiB free on the disk holding $dir; installing vllm==$VLLM_VERSION needs about $need GiB (free some space, or set DDTREE_MIN_FREE_GB to override)"
     fi
   done
 }
@@ -131,7 +131,7 @@ setup_venv() {
       say "$VENV has vLLM $found carrying a series; reverting it before installing $VLLM_VERSION"
       "${BASH_SOURCE[0]}" --site "$site" --revert --upstream "$UPSTREAM_FILE"
     fi
-    say "installing vllm==$VLLM_VERSION and requirements-test.txt into $VENV (about 8 GB on a fresh machine)"
+    say "installing vllm==$VLLM_VERSION and requirements-test.txt into $VENV (about 8.4 GiB on a fresh machine)"
     # No pip cache (it would hold a second copy of every downloaded wheel) and a scratch
     # TMPDIR removed afterwards (pip leaves unpacked downloads behind in it).
     local scratch

@@ -291,8 +291,8 @@ def _repo_copy_without_venv(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("need, message", [
-    ("100000000", "MB free on the disk holding"),  # 100 PB: never there
-    ("ten", "DDTREE_MIN_FREE_GB must be a whole number of GB, got 'ten'"),
+    ("100000000", "MiB free on the disk holding"),  # 100 PB: never there
+    ("ten", "DDTREE_MIN_FREE_GB must be a whole number of GiB, got 'ten'"),
 ])
 def test_venv_setup_refuses_before_installing_without_disk_space(tmp_path, need, message):
     repo = _repo_copy_without_venv(tmp_path)
