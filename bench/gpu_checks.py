@@ -28,16 +28,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.tiny_models import tiny_qwen3_config  # noqa: E402
+from bench.tiny_models import TARGET_SHAPES, tiny_qwen3_config, tiny_target_config  # noqa: E402
 
 
-def make_tiny_models(root: str) -> tuple[str, str]:
-    target = os.path.join(root, "tiny-qwen3")
+def make_tiny_models(root: str, shape: str = "qwen3") -> tuple[str, str]:
+    target = os.path.join(root, f"tiny-{shape}")
     drafter = os.path.join(root, "tiny-dflash")
     os.makedirs(target, exist_ok=True)
     os.makedirs(drafter, exist_ok=True)
     with open(os.path.join(target, "config.json"), "w") as f:
-        json.dump(dict(architectures=["Qwen3ForCausalLM"], **tiny_qwen3_config()), f)
+        json.dump(tiny_target_config(shape), f)
     with open(os.path.join(drafter, "config.json"), "w") as f:
         json.dump(
             dict(
@@ -122,11 +122,33 @@ def run_smoke(args) -> dict:
 
 
 def _greedy(llm, prompts, max_tokens):
+    return _generate(llm, prompts, max_tokens, "greedy")
+
+
+# Sampling modes of the equivalence checks. Seeded modes give every request its own
+# seed (1000 + its index): vLLM keys the sampling noise by (seed, position), so a
+# lossless tree walk must reproduce decoding without speculation token for token.
+SAMPLING_MODES = {
+    "greedy": dict(temperature=0.0),
+    "seeded": dict(temperature=1.0),
+    "seeded-topk-topp": dict(temperature=0.8, top_k=40, top_p=0.9),
+}
+
+
+def sampling_params(mode: str, n: int, max_tokens: int) -> list:
+    """One SamplingParams per request for sampling ``mode``."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    kw = SAMPLING_MODES[mode]
+    seeded = mode != "greedy"
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                           seed=1000 + i if seeded else None, **kw) for i in range(n)]
+
+
+def _generate(llm, prompts, max_tokens, mode: str):
+    sps = sampling_params(mode, len(prompts), max_tokens)
     t = time.time()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sps, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.time() - t
 
 
@@ -145,54 +167,72 @@ def _spec_stats(llm) -> dict:
 
 
 def run_equiv(args) -> dict:
+    """DDTree (and the chain) == decoding without speculation on tiny random targets
+    (dummy weights) of each ``--target-shapes`` shape, greedy and seeded."""
+    import vllm
+
     dummy = args.target is None
-    if dummy:
-        target, drafter = make_tiny_models(tempfile.mkdtemp())
-    else:
-        target, drafter = args.target, args.drafter
-    prompts_file = args.prompts
-    if prompts_file:
-        with open(prompts_file) as f:
+    if args.prompts:
+        with open(args.prompts) as f:
             prompts = [json.loads(line) for line in f][: args.num_prompts]
         prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "prompt_token_ids" in p else p["prompt"] for p in prompts]
     else:
         prompts = _prompts(args.num_prompts)
-    results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, runs=[])
-    for eager in args.eager_modes:
-        base = _engine(target, None, eager, dummy, args.dtype)
-        ref = {}
-        for bs in args.batch_sizes:
-            ref[bs], base_s = _greedy(base, prompts[:bs], args.max_tokens)
-            results["runs"].append(dict(config="no-spec", eager=eager, batch=bs, seconds=round(base_s, 3)))
-        _free(base)
-        for method, budget in [("dflash", 15)] + [("ddtree", b) for b in args.budgets]:
-            spec = dict(method=method, model=drafter, num_speculative_tokens=budget)
-            llm = _engine(target, spec, eager, dummy, args.dtype)
-            for bs in args.batch_sizes:
-                out, secs = _greedy(llm, prompts[:bs], args.max_tokens)
-                same = sum(a == b for a, b in zip(out, ref[bs]))
-                first_diff = next(
-                    (
-                        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                        for a, b in zip(out, ref[bs])
-                        if a != b
-                    ),
-                    None,
-                )
-                results["runs"].append(
-                    dict(
-                        config=f"{method}-{budget}",
-                        eager=eager,
-                        batch=bs,
-                        seconds=round(secs, 3),
-                        identical_outputs=same,
-                        num_outputs=len(out),
-                        first_difference_at=first_diff,
-                    )
-                )
+    tp = int(os.environ.get("DDTREE_CHECK_TP", "1"))
+    results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, sampling=args.sampling,
+                   vllm_version=vllm.__version__, git_rev=_git_rev(), tp=tp,
+                   max_tokens=args.max_tokens, runs=[], cases=[])
+    shapes = args.target_shapes if dummy else [None]
+    for shape in shapes:
+        if dummy:
+            target, drafter = make_tiny_models(tempfile.mkdtemp(), shape)
+        else:
+            target, drafter = args.target, args.drafter
+        name = f"tiny-{shape}" if dummy else os.path.basename(target.rstrip("/"))
+        for eager in args.eager_modes:
+            try:
+                base = _engine(target, None, eager, dummy, args.dtype)
+            except Exception as exc:
+                results["runs"].append(dict(target=name, config="no-spec", eager=eager,
+                                            error=repr(exc)[:1500]))
                 print(json.dumps(results["runs"][-1]), flush=True)
-            results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
-            _free(llm)
+                continue
+            ref = {}
+            for m in args.sampling:
+                for bs in args.batch_sizes:
+                    ref[m, bs], base_s = _generate(base, prompts[:bs], args.max_tokens, m)
+                    results["runs"].append(dict(target=name, config="no-spec", eager=eager,
+                                                batch=bs, sampling=m, seconds=round(base_s, 3)))
+            _free(base)
+            for method, budget in [("dflash", 15)] + [("ddtree", b) for b in args.budgets]:
+                spec = dict(method=method, model=drafter, num_speculative_tokens=budget)
+                try:
+                    llm = _engine(target, spec, eager, dummy, args.dtype)
+                except Exception as exc:
+                    results["runs"].append(dict(target=name, config=f"{method}-{budget}",
+                                                eager=eager, error=repr(exc)[:1500]))
+                    print(json.dumps(results["runs"][-1]), flush=True)
+                    continue
+                for m in args.sampling:
+                    for bs in args.batch_sizes:
+                        out, secs = _generate(llm, prompts[:bs], args.max_tokens, m)
+                        entry = dict(target=name, config=f"{method}-{budget}", eager=eager,
+                                     batch=bs, sampling=m, seconds=round(secs, 3),
+                                     **_compare(out, ref[m, bs]))
+                        results["runs"].append(entry)
+                        kw = SAMPLING_MODES[m]
+                        results["cases"].append(dict(
+                            target=name, method=method, config=f"{method}-{budget}",
+                            vllm_version=results["vllm_version"], dtype=args.dtype,
+                            graphs=not eager, batch=bs, temperature=kw["temperature"],
+                            top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=m != "greedy",
+                            scenario="random-prompts", tp=tp, executor=os.environ.get(
+                                "DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni"),
+                            identical=entry["identical_outputs"], total=entry["num_outputs"],
+                            max_tokens=args.max_tokens, git_rev=results["git_rev"]))
+                        print(json.dumps(entry), flush=True)
+                results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
+                _free(llm)
     return results
 
 
@@ -212,19 +252,39 @@ def _compare(out, ref) -> dict:
 
     c = compare_greedy(out, ref)
     return dict(identical_outputs=c["greedy_identical"], num_outputs=c["greedy_total"],
-                first_difference_at=c["greedy_first_difference"])
+                first_difference_at=c["greedy_first_difference"],
+                differences=differences(out, ref))
 
 
-def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_after_steps: int):
-    """Greedy requests through the engine's step loop; every ``abort_every``-th request
-    is aborted after ``abort_after_steps`` steps. Returns outputs by index (aborted
+def differences(out: list[list[int]], ref: list[list[int]], context: int = 3) -> list[dict]:
+    """Each differing request: where it first differs, the tokens around that point in
+    both, and whether the output there is the reference moved by one token (a token
+    dropped or repeated: bookkeeping, not rounding)."""
+    from bench.run import first_difference
+
+    found = []
+    for i, (a, b) in enumerate(zip(out, ref)):
+        d = first_difference(a, b)
+        if d is None:
+            continue
+        lo = max(0, d - context)
+        found.append(dict(
+            request=i, token=d, output=a[lo:d + context + 1], reference=b[lo:d + context + 1],
+            dropped_one=a[d:d + 2] == b[d + 1:d + 3] and len(a) > d + 1,
+            repeated_one=a[d + 1:d + 3] == b[d:d + 2] and len(b) > d + 1,
+        ))
+    return found
+
+
+def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_after_steps: int,
+                          mode: str = "greedy"):
+    """Requests through the engine's step loop; every ``abort_every``-th request is
+    aborted after ``abort_after_steps`` steps. Returns outputs by index (aborted
     requests: the tokens they had) and the aborted indices."""
-    from vllm import SamplingParams
-
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sps = sampling_params(mode, len(prompts), max_tokens)
     ids = [f"abort-test-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
+    for rid, p, sp in zip(ids, prompts, sps):
         engine.add_request(rid, p, sp)
     outputs: dict[str, list[int]] = {}
     aborted = [rid for i, rid in enumerate(ids) if i % abort_every == 1]
@@ -244,26 +304,66 @@ def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_afte
 EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step",
                        "ddtree-disable-by-batch", "dflash-chain", "no-spec-preempt",
                        "ddtree-preempt")
-# Opt-in: a control of the engine itself (no speculation), not of DDTree.
-EQUIV_REAL_CONTROLS = ("no-spec-batch-shape",)
+# Opt-in: a control of the engine itself (no speculation), and the multi-launch
+# paths (VLLM_DDTREE_FUSED_KERNELS=0), which must give the same tokens.
+EQUIV_REAL_CONTROLS = ("no-spec-batch-shape", "ddtree-unfused")
+
+
+def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
+    """One row of bench/results/equivalence.json from an equiv-real entry."""
+    if "identical_outputs" not in entry or entry["config"] == "no-spec-batch-shape":
+        return None
+    config = entry["config"]
+    scenario = ("preempt" if config.endswith("preempt") else
+                "aborts" if config.endswith("aborts") else config.split("-", 1)[1])
+    kw = SAMPLING_MODES[sampling]
+    return dict(
+        target=results["target_name"], method="dflash" if config.startswith("dflash") else
+        ("no-spec" if config.startswith("no-spec") else "ddtree"),
+        config=config, vllm_version=results["vllm_version"], dtype=results["dtype"],
+        graphs=not results["eager"], batch=entry["batch"], temperature=kw["temperature"],
+        top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=sampling != "greedy",
+        scenario=scenario, identical=entry["identical_outputs"], total=entry["num_outputs"],
+        prompt_set=results["prompt_set"], max_tokens=results["max_tokens"],
+        batch_invariant=results["batch_invariant"], git_rev=results.get("git_rev"),
+    )
+
+
+def _git_rev() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def run_equiv_real(args) -> dict:
-    """Greedy DDTree == greedy without speculation on the real pair (float32, eager by
-    default): async and sync scheduling, a batch-aware budget, KV-cache pressure that
-    forces preemption, and requests aborted mid-way."""
+    """DDTree == decoding without speculation on the real pair (float32, eager by
+    default), greedy and seeded (per-request seeds, T > 0): async and sync scheduling,
+    a batch-aware budget, KV-cache pressure that forces preemption, and requests
+    aborted mid-way. The DFlash chain runs the same cases as a control."""
+    import vllm
+
     target, drafter = args.target, args.drafter
     n = max(args.batch_sizes)
     prompts = _token_prompts(args, n)
     eager = args.eager_modes[0]
     results = dict(mode="equiv-real", target=target, drafter=drafter, dtype=args.dtype,
                    eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
-                   runs=[])
+                   sampling=args.sampling, vllm_version=vllm.__version__,
+                   target_name=args.target_name or os.path.basename(target.rstrip("/")),
+                   git_rev=_git_rev(), runs=[], cases=[])
     results["batch_invariant"] = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     wanted = set(args.variants or EQUIV_REAL_VARIANTS)
 
-    def record(entry):
+    def record(entry, sampling="greedy"):
+        entry = dict(entry, sampling=sampling)
         results["runs"].append(entry)
+        case = equivalence_case(results, entry, sampling)
+        if case is not None:
+            results["cases"].append(case)
         print(json.dumps(entry), flush=True)
         # Written after every entry: a run stopped by its timeout keeps what it measured
         # (main() rewrites the file, with the command, when the run completes).
@@ -271,59 +371,77 @@ def run_equiv_real(args) -> dict:
             json.dump(dict(results, complete=False, command=" ".join(sys.argv)), f, indent=2,
                       default=str)
 
+    modes = args.sampling
     base = _engine(target, None, eager, False, args.dtype)
-    ref = {}
-    for bs in args.batch_sizes:
-        ref[bs], _ = _greedy(base, prompts[:bs], args.max_tokens)
+    ref = {m: {} for m in modes}
+    for m in modes:
+        for bs in args.batch_sizes:
+            ref[m][bs], _ = _generate(base, prompts[:bs], args.max_tokens, m)
     if "no-spec-batch-shape" in wanted:
         # Control without speculation: each prompt alone vs. in the batch of n. Any
         # difference is the engine's own dependence on the batch's shape, which bounds
         # what exactness the speculative runs can show in this mode.
-        alone = [_greedy(base, [p], args.max_tokens)[0][0] for p in prompts[:n]]
-        record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[n])))
+        for m in modes:
+            alone = [_generate(base, [p], args.max_tokens, m)[0][0] for p in prompts[:n]]
+            record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[m][n])), m)
     _free(base)
 
     budget = args.budgets[0]
     variants = [
-        ("ddtree-async", dict(num_speculative_tokens=budget), {}),
-        ("ddtree-sync", dict(num_speculative_tokens=budget), dict(async_scheduling=False)),
-        ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256), {}),
+        ("ddtree-async", dict(num_speculative_tokens=budget), {}, {}),
+        ("ddtree-unfused", dict(num_speculative_tokens=budget), {},
+         {"VLLM_DDTREE_FUSED_KERNELS": "0"}),
+        ("ddtree-sync", dict(num_speculative_tokens=budget), dict(async_scheduling=False), {}),
+        ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=512),
+         {}, {}),
         # Budget 0 (drafter context only) from 4 requests on: a batch of 16 decodes
         # without drafts and drafts again in its tail.
         ("ddtree-disable-by-batch", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
-                                         ddtree_disable_by_batch_size=4), {}),
-        ("dflash-chain", dict(num_speculative_tokens=15), {}),
+                                         ddtree_disable_by_batch_size=4), {}, {}),
+        ("dflash-chain", dict(num_speculative_tokens=15), {}, {}),
     ]
-    for name, spec_extra, engine_kw in variants:
+    for name, spec_extra, engine_kw, env in variants:
         if name not in wanted:
             continue
         method = "dflash" if name.startswith("dflash") else "ddtree"
         spec = dict(method=method, model=drafter, **spec_extra)
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False, **engine_kw)
+            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
+                          **engine_kw)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
             continue
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         async_on = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
-        for bs in args.batch_sizes:
-            try:
-                out, secs = _greedy(llm, prompts[:bs], args.max_tokens)
-                record(dict(config=name, batch=bs, async_scheduling=async_on,
-                            seconds=round(secs, 3), **_compare(out, ref[bs])))
-            except Exception as exc:
-                record(dict(config=name, batch=bs, error=repr(exc)[:1500]))
+        for m in modes:
+            for bs in args.batch_sizes:
+                try:
+                    out, secs = _generate(llm, prompts[:bs], args.max_tokens, m)
+                    record(dict(config=name, batch=bs, async_scheduling=async_on,
+                                seconds=round(secs, 3), **_compare(out, ref[m][bs])), m)
+                except Exception as exc:
+                    record(dict(config=name, batch=bs, error=repr(exc)[:1500]), m)
         results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
-        if name == "ddtree-async":
-            try:
-                outs, aborted, steps = _generate_with_aborts(llm, prompts[:n], args.max_tokens, 3, 8)
-                kept = [i for i in range(n) if i not in aborted]
-                same = sum(outs[i] == ref[n][i] for i in kept)
-                prefix_ok = sum(ref[n][i][:len(outs[i])] == outs[i] for i in aborted)
-                record(dict(config=name + "-aborts", batch=n, aborted=len(aborted), steps=steps,
-                            identical_outputs=same, num_outputs=len(kept),
-                            aborted_outputs_are_prefixes=prefix_ok))
-            except Exception as exc:
-                record(dict(config=name + "-aborts", error=repr(exc)[:1500]))
+        if name in ("ddtree-async", "dflash-chain"):
+            for m in modes:
+                try:
+                    outs, aborted, steps = _generate_with_aborts(
+                        llm, prompts[:n], args.max_tokens, 3, 8, m)
+                    kept = [i for i in range(n) if i not in aborted]
+                    same = sum(outs[i] == ref[m][n][i] for i in kept)
+                    prefix_ok = sum(ref[m][n][i][:len(outs[i])] == outs[i] for i in aborted)
+                    record(dict(config=name + "-aborts", batch=n, aborted=len(aborted),
+                                steps=steps, identical_outputs=same, num_outputs=len(kept),
+                                aborted_outputs_are_prefixes=prefix_ok), m)
+                except Exception as exc:
+                    record(dict(config=name + "-aborts", error=repr(exc)[:1500]), m)
         _free(llm)
 
     # KV-cache pressure: few blocks, so the scheduler preempts and recomputes.
@@ -336,16 +454,17 @@ def run_equiv_real(args) -> dict:
         try:
             llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
                           num_gpu_blocks_override=blocks)
-            out, secs = _greedy(llm, prompts[:n], args.max_tokens)
-            stats = {}
-            try:
-                for m in llm.get_metrics():
-                    if "preempt" in m.name:
-                        stats[m.name] = getattr(m, "value", None)
-            except Exception as exc:
-                stats["error"] = repr(exc)
-            record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
-                        preemption_metrics=stats, **_compare(out, ref[n])))
+            for m in modes:
+                out, secs = _generate(llm, prompts[:n], args.max_tokens, m)
+                stats = {}
+                try:
+                    for metric in llm.get_metrics():
+                        if "preempt" in metric.name:
+                            stats[metric.name] = getattr(metric, "value", None)
+                except Exception as exc:
+                    stats["error"] = repr(exc)
+                record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
+                            preemption_metrics=stats, **_compare(out, ref[m][n])), m)
             _free(llm)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
@@ -367,6 +486,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[32])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--sampling", nargs="+", choices=list(SAMPLING_MODES), default=["greedy"],
+                        help="equiv-real: sampling modes (seeded: per-request seeds, T > 0)")
+    parser.add_argument("--target-name", help="equiv-real: the target's name in the cases")
+    parser.add_argument("--target-shapes", nargs="+", choices=list(TARGET_SHAPES),
+                        default=["qwen3"], help="equiv without --target: tiny random shapes")
     parser.add_argument("--variants", nargs="+", choices=EQUIV_REAL_VARIANTS + EQUIV_REAL_CONTROLS,
                         help="equiv-real: run only these (default: all but the controls; "
                              "ddtree-async includes the aborts run)")

@@ -25,6 +25,8 @@
 #                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
+#   bash bench/gpu_session.sh lossless # greedy and seeded T>0 equivalence, real pair, float32
+#                                      # (LOSSLESS_MODES="eager graphs", LOSSLESS_VARIANTS, ...)
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs,
@@ -199,6 +201,23 @@ case "$step" in
     prepare
     timeout 300 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
     echo "algos rc=$?"; tail -20 "$OUT/gpu-bench-algorithms.log"
+    ;;
+  lossless)
+    # DDTree == decoding without speculation, greedy and seeded T > 0, float32, on the
+    # real pair: LOSSLESS_MODES (eager, graphs), LOSSLESS_VARIANTS, LOSSLESS_SAMPLING,
+    # LOSSLESS_PROMPT_SET, LOSSLESS_MAX_TOKENS; one result file per graph mode.
+    prepare
+    read -r -a lmodes <<< "${LOSSLESS_MODES:-eager}"
+    for m in "${lmodes[@]}"; do
+      # shellcheck disable=SC2086  # lists of words
+      timeout "${LOSSLESS_TIMEOUT_S:-540}" python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
+        --drafter "$DRAFTER" --data "$DATA" --out "$OUT/equiv-smollm2-fp32-$m.json" --dtype float32 \
+        --num-prompts 16 --max-tokens "${LOSSLESS_MAX_TOKENS:-128}" --budgets 32 --batch-sizes 1 16 \
+        --eager-modes "$m" --prompt-set "${LOSSLESS_PROMPT_SET:-sharegpt}" --target-name smollm2-135m \
+        --sampling ${LOSSLESS_SAMPLING:-greedy seeded seeded-topk-topp} \
+        ${LOSSLESS_VARIANTS:+--variants $LOSSLESS_VARIANTS} > "$OUT/equiv-$m.log" 2>&1
+      echo "lossless $m rc=$?"; grep '^{' "$OUT/equiv-$m.log" | cut -c1-600
+    done
     ;;
   graphs)
     prepare

@@ -30,3 +30,27 @@ def tiny_qwen3_config(**overrides) -> dict:
     cfg = dict(TINY_QWEN3)
     cfg.update(overrides)
     return cfg
+
+
+# Target shapes of the families that public DFlash drafters serve, as tiny random
+# models: (architecture, HF config fields). The drafter is always the tiny Qwen3-shaped
+# DFlash model of the same hidden size.
+TARGET_SHAPES = {
+    "qwen3": ("Qwen3ForCausalLM", {}),
+    "llama3": ("LlamaForCausalLM", dict(
+        model_type="llama", attention_bias=False, mlp_bias=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=1024),
+    )),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(
+        model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, output_router_logits=False,
+    )),
+}
+
+
+def tiny_target_config(shape: str) -> dict:
+    """config.json of a tiny random target of ``shape`` (a key of TARGET_SHAPES)."""
+    arch, fields = TARGET_SHAPES[shape]
+    return dict(architectures=[arch], **tiny_qwen3_config(**fields))

@@ -519,6 +519,17 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def prepare_tree_verification(self, input_batch: InputBatch) -> None:
         """Runner hook before the target forward: depth positions and tree masks."""
+        if self._pending_compaction:
+            # The last walk's accepted path is compacted in propose(); a step that
+            # verifies again before that would read KV and drafter context from the
+            # wrong slots. vLLM's runner proposes after every sampling step: if that
+            # ever changes, stop here instead of serving wrong tokens.
+            raise RuntimeError(
+                "DDTree: a tree was verified again before the accepted path of the "
+                "previous verification was compacted (the runner did not call "
+                "propose() after the tree walk); the runner's step order has changed "
+                "and DDTree cannot serve it"
+            )
         num_reqs = input_batch.num_reqs
         if self.profiler is not None:
             # Tokens beyond each request's root and drafts are prompt tokens.
@@ -662,12 +673,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
         else:
             hidden_states = last_hidden_states[:num_tokens].clone()
-        if self._pending_compaction and not dummy_run:
-            self._compact_accepted_path(input_batch, slot_mappings, hidden_states)
+        if not dummy_run:
+            # A dummy run (data parallelism, cost measurements) between a walk and
+            # its propose must leave the pending compaction for the real one.
+            if self._pending_compaction:
+                self._compact_accepted_path(input_batch, slot_mappings, hidden_states)
+            self._pending_compaction = False
+            self._verified_rows = None
         if profiler is not None:
             profiler.mark("compacted")
-        self._pending_compaction = False
-        self._verified_rows = None
 
         if no_drafts:
             # Store the drafter's context (so drafting resumes at full acceptance

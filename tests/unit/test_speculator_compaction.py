@@ -101,3 +101,20 @@ def test_new_trees_land_by_request_state_on_both_paths(triton_device):
         assert not spec.valid_by_state[0].any()
     for name in ("tokens_by_state", "parents_by_state", "depths_by_state", "valid_by_state"):
         assert torch.equal(getattr(results[0], name).cpu(), getattr(results[1], name).cpu())
+
+
+def test_verifying_again_before_the_last_path_was_compacted_fails_loudly():
+    """Compaction runs in propose(); a runner that verified a new tree without calling
+    propose() after the last walk would read KV from the wrong slots: refused."""
+    spec = object.__new__(DDTreeSpeculator)
+    spec.profiler = None
+    spec._verified_rows = torch.arange(3)
+    spec.record_walk(torch.zeros(1, DEPTH + 1, dtype=torch.int64),
+                     torch.zeros(1, dtype=torch.int32))
+    batch = types.SimpleNamespace(num_reqs=1, num_draft_tokens=2, num_tokens=3)
+    with pytest.raises(RuntimeError, match="propose"):
+        spec.prepare_tree_verification(batch)
+    # Without a pending path (the walk verified no tree), the hook runs on.
+    spec._pending_compaction = False
+    spec.prepare_tree_verification(types.SimpleNamespace(num_reqs=1, num_draft_tokens=0,
+                                                         num_tokens=1))
