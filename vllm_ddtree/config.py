@@ -219,6 +219,105 @@ def _target_supports_aux_hidden_states(model_config: Any) -> bool | None:
     return bool(supports_eagle3(model_cls))
 
 
+def _layer_list(indices: list[int]) -> str:
+    """``[0, 2, 4]`` -> ``"0, 2, 4"``, long lists shortened."""
+    shown = ", ".join(str(i) for i in indices[:8])
+    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")
+
+
+# hf config fields that turn on attention sinks (a learned per-head logit added to
+# every softmax) in vLLM's model classes: laguna, mimo_v2, openpangu.
+_SINK_FIELDS = ("attention_sinks", "swa_attention_sink_enabled",
+                "add_swa_attention_sink_bias", "param_sink_number")
+# Model types whose vLLM class gives every attention layer sinks whatever the config.
+_ALWAYS_SINKS = {"gpt_oss": "gpt-oss"}
+
+
+def target_attention_refusal(model_config: Any) -> str | None:
+    """Why the target's attention cannot be verified exactly on a tree (every reason
+    found, in one message), or None.
+
+    DDTree verifies a tree with one mask over the request's context plus its nodes,
+    gives node i the position start + depth(i) and afterwards moves the accepted
+    nodes' KV to consecutive slots with one slot mapping for every layer. That is
+    exact for causal full attention with 1-D rotary positions only:
+
+    * sliding windows (and chunked local attention): the tree kernels bound the
+      window by a node's linear index, not its depth, and under vLLM's hybrid KV
+      cache layers with a window keep their KV in a KV-cache group of their own,
+      whose slot mapping the compaction does not follow;
+    * attention sinks: the tree attention kernels are not checked with them;
+    * M-RoPE / XD-RoPE: positions have several components, read from vLLM's M-RoPE
+      position buffer, not the 1-D positions the tree rewrites.
+
+    A window counts as in use the way vLLM decides it: ``get_sliding_window()``
+    (``hf_text_config.sliding_window``; None after ``--disable-sliding-window`` or
+    for a window of 0, and transformers' Qwen2/Qwen3 configs drop it when
+    ``use_sliding_window`` is false) is set, and then either every layer slides
+    (no ``layer_types``, or one type only: vLLM puts the window into
+    ``CacheConfig.sliding_window``, which every layer without its own window
+    takes) or the ``"sliding_attention"`` layers of ``layer_types`` do."""
+    arch = list(getattr(model_config, "architectures", None) or [])
+    hf_config = getattr(model_config, "hf_config", None)
+    hf_text = getattr(model_config, "hf_text_config", None) or hf_config
+    reasons: list[str] = []
+    if getattr(model_config, "uses_mrope", False):
+        reasons.append(
+            "M-RoPE (rope_parameters / rope_scaling with an mrope_section): tree "
+            "verification gives each node the 1-D position start + depth, while "
+            "M-RoPE positions are 3-D (time, height, width) and are read from vLLM's "
+            "M-RoPE position buffer, which the tree does not rewrite"
+        )
+    xdrope = getattr(model_config, "uses_xdrope_dim", 0)
+    if isinstance(xdrope, int) and not isinstance(xdrope, bool) and xdrope > 0:
+        reasons.append(
+            "XD-RoPE (xdrope_section): tree verification rewrites only 1-D positions"
+        )
+
+    get_window = getattr(model_config, "get_sliding_window", None)
+    window = get_window() if callable(get_window) else getattr(hf_text, "sliding_window", None)
+    layer_types = list(getattr(hf_text, "layer_types", None) or [])
+    why_window = ("tree verification bounds the window by a node's linear index, not "
+                  "its depth (--disable-sliding-window, which caps max_model_len at the "
+                  "window, makes vLLM attend to the whole context instead)")
+    if window is not None:
+        if len(set(layer_types)) > 1:  # vLLM's is_interleaved()
+            sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+            if sliding:
+                reasons.append(
+                    f"sliding-window attention in layers {_layer_list(sliding)} of "
+                    f"{len(layer_types)} ('sliding_attention' in layer_types, "
+                    f"sliding_window={window}): {why_window}, and those layers keep "
+                    "their KV in a KV-cache group of their own, whose slot mapping "
+                    "KV compaction does not follow"
+                )
+        else:
+            reasons.append(
+                f"sliding-window attention in every layer (sliding_window={window}): "
+                + why_window
+            )
+    chunk = getattr(hf_text, "attention_chunk_size", None)
+    if chunk:
+        reasons.append(
+            f"chunked local attention (attention_chunk_size={chunk}): tree "
+            "verification masks full causal attention only"
+        )
+
+    model_type = getattr(hf_text, "model_type", None) or getattr(hf_config, "model_type", None)
+    sinks = [f"{f}={getattr(hf_text, f)!r}" for f in _SINK_FIELDS if getattr(hf_text, f, None)]
+    if model_type in _ALWAYS_SINKS:
+        sinks.insert(0, f"{_ALWAYS_SINKS[model_type]}'s learned sinks in every layer")
+    if sinks:
+        reasons.append(
+            f"attention sinks ({', '.join(sinks)}): the tree attention kernels are "
+            "not checked with sinks"
+        )
+    if not reasons:
+        return None
+    return (f"ddtree cannot verify the target {arch} exactly on a tree; it uses "
+            + "; and ".join(reasons) + ".")
+
+
 def validate_ddtree_vllm_config(vllm_config: Any) -> None:
     """Checks that need the whole engine configuration; raises DDTreeConfigError."""
     spec = vllm_config.speculative_config
@@ -275,6 +374,9 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
                 "verification masks attention); hybrid or attention-free targets such "
                 f"as {model_config.architectures} are not supported."
             )
+        refusal = target_attention_refusal(model_config)
+        if refusal is not None:
+            raise DDTreeConfigError(refusal)
         if _target_supports_aux_hidden_states(model_config) is False:
             raise DDTreeConfigError(
                 "ddtree needs a target that returns auxiliary hidden states for the "
