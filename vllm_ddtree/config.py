@@ -36,6 +36,7 @@ Options (fields of vLLM's ``SpeculativeConfig``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -638,30 +639,121 @@ def validate_flash_tree_attention(vllm_config: Any) -> None:
             )
 
 
-def validate_ddtree_request(params: Any) -> None:
-    """Refuse, per request, sampling features DDTree cannot honour yet (HTTP 400 in
-    the OpenAI server: vLLM turns this ValueError into a bad-request error).
+# Every field of vLLM 0.26.0's SamplingParams, in one of two lists; a field in
+# neither (a new upstream field) is refused unless it has its default, and
+# tests/unit/test_ddtree_requests.py fails until it is classified.
+#
+# Exact on a tree: the tree sampler (vllm_ddtree.speculator.DDTreeSampler) takes
+# one sample per node with vLLM's V2 sampler, whose per-row steps are logit bias
+# (logit_bias, allowed_token_ids, min_tokens), penalties, bad words, temperature,
+# min-p, top-k/top-p and the Gumbel draw keyed by seed and position. The bias
+# depends on the position only, and a node at depth d is sampled at position
+# start + d, as plain decoding samples that token; the rest below acts on the
+# accepted tokens after the walk (the scheduler's stop checks, one token at a
+# time; the detokenizer) or on the engine around the request.
+TREE_EXACT_REQUEST_FIELDS = {
+    "n": "each of the n samples is a request of its own in the engine",
+    "temperature": "per logit row",
+    "top_p": "per logit row",
+    "top_k": "per logit row",
+    "min_p": "per logit row",
+    "seed": "the Gumbel noise is keyed by seed and position (start + depth)",
+    "logit_bias": "per logit row, the same at every position",
+    "allowed_token_ids": "per logit row, the same at every position",
+    "min_tokens": "keyed by position (start + depth), like plain decoding",
+    "max_tokens": "the scheduler caps the accepted tokens",
+    "stop": "stop strings: the detokenizer, on accepted tokens",
+    "stop_token_ids": "the scheduler's stop check, on accepted tokens one at a time",
+    "ignore_eos": "the scheduler's stop check",
+    "include_stop_str_in_output": "output processing",
+    "output_text_buffer_length": "output processing (derived from stop)",
+    "detokenize": "output processing",
+    "skip_special_tokens": "output processing",
+    "spaces_between_special_tokens": "output processing",
+    "output_kind": "output processing",
+    "skip_clone": "how the engine copies the parameters",
+    "repetition_detection": "the scheduler's stop check, on accepted tokens",
+    "skip_reading_prefix_cache": "the scheduler's prefix cache",
+    "flat_logprobs": "only the format of logprobs, which are refused",
+    "extra_args": "read by no in-tree sampler; custom logits processors, which "
+                  "could read it, stop the V2 runner at start-up",
+    "routed_experts_prompt_start": "routed-experts capture stops the V2 runner at "
+                                   "start-up",
+    "_eos_token_id": "the scheduler's stop check and min_tokens",
+    "_all_stop_token_ids": "the scheduler's stop check and min_tokens",
+}
+# Refused unless at their default, with the reason the refusal names.
+TREE_REFUSED_REQUEST_FIELDS = {
+    "logprobs": "the tree sampler returns no sample logprobs yet",
+    "logprob_token_ids": "the tree sampler returns no logprobs yet",
+    "prompt_logprobs": "prompt logprobs are not checked against decoding without "
+                       "speculation yet",
+    "presence_penalty": "penalties count the tokens before a node, which differ "
+                        "between branches",
+    "frequency_penalty": "penalties count the tokens before a node, which differ "
+                         "between branches",
+    "repetition_penalty": "penalties count the tokens before a node, which differ "
+                          "between branches",
+    "bad_words": "bad words match the tokens before a node, which differ between "
+                 "branches",
+    "_bad_words_token_ids": "bad words match the tokens before a node, which differ "
+                            "between branches",
+    "structured_outputs": "grammar masks are not wired into the tree sampler "
+                          "(response_format json_object / json_schema, structural "
+                          "tags, guided decoding)",
+    "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "
+                             "runs on",
+}
 
-    Logit bias, allowed tokens, min_tokens, seeds and temperature/top-k/top-p/min-p
-    are honoured: they depend on the position, which is start + depth for every tree
-    node. Penalties and bad words depend on the tokens before a node, which differ
-    between branches; sample logprobs and structured outputs are not wired in yet.
-    """
+
+def sampling_param_fields(cls: type) -> tuple[str, ...]:
+    """The fields of vLLM's ``SamplingParams`` (a msgspec struct; a dataclass in
+    other releases)."""
+    fields = getattr(cls, "__struct_fields__", None)
+    if fields is None:
+        import dataclasses
+
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    return tuple(fields)
+
+
+@functools.lru_cache(maxsize=4)
+def _default_params(cls: type) -> Any:
+    return cls()
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or (isinstance(value, (list, tuple, dict, set)) and not value)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a request field is at its default; ``None`` and an empty container
+    both mean unset (SamplingParams turns ``bad_words=None`` into ``[]``)."""
+    if value is None or default is None:
+        return _is_unset(value) and _is_unset(default)
+    return bool(value == default)
+
+
+def validate_ddtree_request(params: Any) -> None:
+    """Refuse, per request, what DDTree cannot serve exactly (HTTP 400 in the OpenAI
+    server: vLLM turns this ValueError into a bad-request error).
+
+    An allowlist over every field of ``SamplingParams``: a field in
+    :data:`TREE_EXACT_REQUEST_FIELDS` may take any value; any other field, those of
+    :data:`TREE_REFUSED_REQUEST_FIELDS` and fields not classified yet, only its
+    default. The message names every refused field."""
+    defaults = _default_params(type(params))
     refused = []
-    if getattr(params, "logprobs", None) is not None:
-        refused.append("logprobs")
-    if getattr(params, "presence_penalty", 0.0) != 0.0:
-        refused.append("presence_penalty")
-    if getattr(params, "frequency_penalty", 0.0) != 0.0:
-        refused.append("frequency_penalty")
-    if getattr(params, "repetition_penalty", 1.0) != 1.0:
-        refused.append("repetition_penalty")
-    if getattr(params, "bad_words", None):
-        refused.append("bad_words")
-    if getattr(params, "structured_outputs", None) is not None:
-        refused.append("structured outputs (guided decoding)")
+    for name in sampling_param_fields(type(params)):
+        if name in TREE_EXACT_REQUEST_FIELDS:
+            continue
+        if _is_default(getattr(params, name, None), getattr(defaults, name, None)):
+            continue
+        reason = TREE_REFUSED_REQUEST_FIELDS.get(
+            name, "a sampling parameter DDTree does not know yet")
+        refused.append(f"{name} ({reason})")
     if refused:
         raise ValueError(
             "this server decodes with DDTree speculative decoding, which does not "
-            "support " + ", ".join(refused) + " yet; leave them unset."
+            "support " + "; ".join(refused) + " yet; leave them unset."
         )
