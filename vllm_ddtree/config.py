@@ -6,7 +6,12 @@ Two hooks in vLLM call into this module (patch ``spec-decode_ddtree-config``):
   drafter's ``ModelConfig`` exists: checks the drafter and the tree options and fills
   in the defaults (depth = drafter block size - 1, top-K = min(budget, vocab)).
 * :func:`validate_ddtree_vllm_config` from ``VllmConfig.__post_init__``: checks what
-  needs the whole engine configuration (model runner, parallelism, the target).
+  needs the whole engine configuration (model runner, parallelism, the target, whose
+  attention must be one a tree verifies exactly: :func:`target_attention_refusal`).
+
+and, per request, :func:`validate_ddtree_request` from the input processor (patch
+``entrypoints_refuse-per-request-what-ddtree-cannot-honour-yet``): an allowlist over
+the fields of ``SamplingParams``.
 
 Every failure raises :class:`DDTreeConfigError` (a ``ValueError``, so vLLM's
 argument parsing reports it like its own) with a message naming the setting.
