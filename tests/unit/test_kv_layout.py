@@ -115,3 +115,18 @@ def test_the_layer_attributes_read_are_the_ones_vllm_sets():
     source = inspect.getsource(Attention.__init__)
     assert "self.sliding_window = sliding_window" in source
     assert "self.has_sink = " in source
+
+
+def test_the_speculator_refuses_the_layout_when_it_learns_it():
+    """DDTreeSpeculator.set_attn (the runner calls it while allocating the KV cache,
+    at start-up) runs the guard before anything else."""
+    from vllm.config import CompilationConfig
+
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    specs = {name: (_sliding() if i % 2 == 0 else _full()) for i, name in enumerate(_names(4))}
+    config, attn_groups = _layout(specs)
+    speculator = object.__new__(DDTreeSpeculator)  # no engine: set_attn refuses first
+    speculator.vllm_config = types.SimpleNamespace(compilation_config=CompilationConfig())
+    with pytest.raises(DDTreeConfigError, match="one KV-cache group, but vLLM built 2"):
+        speculator.set_attn(None, config, None, None, attn_groups)
