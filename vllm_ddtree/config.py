@@ -6,7 +6,12 @@ Two hooks in vLLM call into this module (patch ``spec-decode_ddtree-config``):
   drafter's ``ModelConfig`` exists: checks the drafter and the tree options and fills
   in the defaults (depth = drafter block size - 1, top-K = min(budget, vocab)).
 * :func:`validate_ddtree_vllm_config` from ``VllmConfig.__post_init__``: checks what
-  needs the whole engine configuration (model runner, parallelism, the target).
+  needs the whole engine configuration (model runner, parallelism, the target, whose
+  attention must be one a tree verifies exactly: :func:`target_attention_refusal`).
+
+and, per request, :func:`validate_ddtree_request` from the input processor (patch
+``entrypoints_refuse-per-request-what-ddtree-cannot-honour-yet``): an allowlist over
+the fields of ``SamplingParams``.
 
 Every failure raises :class:`DDTreeConfigError` (a ``ValueError``, so vLLM's
 argument parsing reports it like its own) with a message naming the setting.
@@ -36,6 +41,7 @@ Options (fields of vLLM's ``SpeculativeConfig``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -219,6 +225,105 @@ def _target_supports_aux_hidden_states(model_config: Any) -> bool | None:
     return bool(supports_eagle3(model_cls))
 
 
+def _layer_list(indices: list[int]) -> str:
+    """``[0, 2, 4]`` -> ``"0, 2, 4"``, long lists shortened."""
+    shown = ", ".join(str(i) for i in indices[:8])
+    return shown + (f", ... ({len(indices)} layers)" if len(indices) > 8 else "")
+
+
+# hf config fields that turn on attention sinks (a learned per-head logit added to
+# every softmax) in vLLM's model classes: laguna, mimo_v2, openpangu.
+_SINK_FIELDS = ("attention_sinks", "swa_attention_sink_enabled",
+                "add_swa_attention_sink_bias", "param_sink_number")
+# Model types whose vLLM class gives every attention layer sinks whatever the config.
+_ALWAYS_SINKS = {"gpt_oss": "gpt-oss"}
+
+
+def target_attention_refusal(model_config: Any) -> str | None:
+    """Why the target's attention cannot be verified exactly on a tree (every reason
+    found, in one message), or None.
+
+    DDTree verifies a tree with one mask over the request's context plus its nodes,
+    gives node i the position start + depth(i) and afterwards moves the accepted
+    nodes' KV to consecutive slots with one slot mapping for every layer. That is
+    exact for causal full attention with 1-D rotary positions only:
+
+    * sliding windows (and chunked local attention): the tree kernels bound the
+      window by a node's linear index, not its depth, and under vLLM's hybrid KV
+      cache layers with a window keep their KV in a KV-cache group of their own,
+      whose slot mapping the compaction does not follow;
+    * attention sinks: the tree attention kernels are not checked with them;
+    * M-RoPE / XD-RoPE: positions have several components, read from vLLM's M-RoPE
+      position buffer, not the 1-D positions the tree rewrites.
+
+    A window counts as in use the way vLLM decides it: ``get_sliding_window()``
+    (``hf_text_config.sliding_window``; None after ``--disable-sliding-window`` or
+    for a window of 0, and transformers' Qwen2/Qwen3 configs drop it when
+    ``use_sliding_window`` is false) is set, and then either every layer slides
+    (no ``layer_types``, or one type only: vLLM puts the window into
+    ``CacheConfig.sliding_window``, which every layer without its own window
+    takes) or the ``"sliding_attention"`` layers of ``layer_types`` do."""
+    arch = list(getattr(model_config, "architectures", None) or [])
+    hf_config = getattr(model_config, "hf_config", None)
+    hf_text = getattr(model_config, "hf_text_config", None) or hf_config
+    reasons: list[str] = []
+    if getattr(model_config, "uses_mrope", False):
+        reasons.append(
+            "M-RoPE (rope_parameters / rope_scaling with an mrope_section): tree "
+            "verification gives each node the 1-D position start + depth, while "
+            "M-RoPE positions are 3-D (time, height, width) and are read from vLLM's "
+            "M-RoPE position buffer, which the tree does not rewrite"
+        )
+    xdrope = getattr(model_config, "uses_xdrope_dim", 0)
+    if isinstance(xdrope, int) and not isinstance(xdrope, bool) and xdrope > 0:
+        reasons.append(
+            "XD-RoPE (xdrope_section): tree verification rewrites only 1-D positions"
+        )
+
+    get_window = getattr(model_config, "get_sliding_window", None)
+    window = get_window() if callable(get_window) else getattr(hf_text, "sliding_window", None)
+    layer_types = list(getattr(hf_text, "layer_types", None) or [])
+    why_window = ("tree verification bounds the window by a node's linear index, not "
+                  "its depth (--disable-sliding-window, which caps max_model_len at the "
+                  "window, makes vLLM attend to the whole context instead)")
+    if window is not None:
+        if len(set(layer_types)) > 1:  # vLLM's is_interleaved()
+            sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+            if sliding:
+                reasons.append(
+                    f"sliding-window attention in layers {_layer_list(sliding)} of "
+                    f"{len(layer_types)} ('sliding_attention' in layer_types, "
+                    f"sliding_window={window}): {why_window}, and those layers keep "
+                    "their KV in a KV-cache group of their own, whose slot mapping "
+                    "KV compaction does not follow"
+                )
+        else:
+            reasons.append(
+                f"sliding-window attention in every layer (sliding_window={window}): "
+                + why_window
+            )
+    chunk = getattr(hf_text, "attention_chunk_size", None)
+    if chunk:
+        reasons.append(
+            f"chunked local attention (attention_chunk_size={chunk}): tree "
+            "verification masks full causal attention only"
+        )
+
+    model_type = getattr(hf_text, "model_type", None) or getattr(hf_config, "model_type", None)
+    sinks = [f"{f}={getattr(hf_text, f)!r}" for f in _SINK_FIELDS if getattr(hf_text, f, None)]
+    if model_type in _ALWAYS_SINKS:
+        sinks.insert(0, f"{_ALWAYS_SINKS[model_type]}'s learned sinks in every layer")
+    if sinks:
+        reasons.append(
+            f"attention sinks ({', '.join(sinks)}): the tree attention kernels are "
+            "not checked with sinks"
+        )
+    if not reasons:
+        return None
+    return (f"ddtree cannot verify the target {arch} exactly on a tree; it uses "
+            + "; and ".join(reasons) + ".")
+
+
 def validate_ddtree_vllm_config(vllm_config: Any) -> None:
     """Checks that need the whole engine configuration; raises DDTreeConfigError."""
     spec = vllm_config.speculative_config
@@ -275,6 +380,9 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
                 "verification masks attention); hybrid or attention-free targets such "
                 f"as {model_config.architectures} are not supported."
             )
+        refusal = target_attention_refusal(model_config)
+        if refusal is not None:
+            raise DDTreeConfigError(refusal)
         if _target_supports_aux_hidden_states(model_config) is False:
             raise DDTreeConfigError(
                 "ddtree needs a target that returns auxiliary hidden states for the "
@@ -536,30 +644,121 @@ def validate_flash_tree_attention(vllm_config: Any) -> None:
             )
 
 
-def validate_ddtree_request(params: Any) -> None:
-    """Refuse, per request, sampling features DDTree cannot honour yet (HTTP 400 in
-    the OpenAI server: vLLM turns this ValueError into a bad-request error).
+# Every field of vLLM 0.26.0's SamplingParams, in one of two lists; a field in
+# neither (a new upstream field) is refused unless it has its default, and
+# tests/unit/test_ddtree_requests.py fails until it is classified.
+#
+# Exact on a tree: the tree sampler (vllm_ddtree.speculator.DDTreeSampler) takes
+# one sample per node with vLLM's V2 sampler, whose per-row steps are logit bias
+# (logit_bias, allowed_token_ids, min_tokens), penalties, bad words, temperature,
+# min-p, top-k/top-p and the Gumbel draw keyed by seed and position. The bias
+# depends on the position only, and a node at depth d is sampled at position
+# start + d, as plain decoding samples that token; the rest below acts on the
+# accepted tokens after the walk (the scheduler's stop checks, one token at a
+# time; the detokenizer) or on the engine around the request.
+TREE_EXACT_REQUEST_FIELDS = {
+    "n": "each of the n samples is a request of its own in the engine",
+    "temperature": "per logit row",
+    "top_p": "per logit row",
+    "top_k": "per logit row",
+    "min_p": "per logit row",
+    "seed": "the Gumbel noise is keyed by seed and position (start + depth)",
+    "logit_bias": "per logit row, the same at every position",
+    "allowed_token_ids": "per logit row, the same at every position",
+    "min_tokens": "keyed by position (start + depth), like plain decoding",
+    "max_tokens": "the scheduler caps the accepted tokens",
+    "stop": "stop strings: the detokenizer, on accepted tokens",
+    "stop_token_ids": "the scheduler's stop check, on accepted tokens one at a time",
+    "ignore_eos": "the scheduler's stop check",
+    "include_stop_str_in_output": "output processing",
+    "output_text_buffer_length": "output processing (derived from stop)",
+    "detokenize": "output processing",
+    "skip_special_tokens": "output processing",
+    "spaces_between_special_tokens": "output processing",
+    "output_kind": "output processing",
+    "skip_clone": "how the engine copies the parameters",
+    "repetition_detection": "the scheduler's stop check, on accepted tokens",
+    "skip_reading_prefix_cache": "the scheduler's prefix cache",
+    "flat_logprobs": "only the format of logprobs, which are refused",
+    "extra_args": "read by no in-tree sampler; custom logits processors, which "
+                  "could read it, stop the V2 runner at start-up",
+    "routed_experts_prompt_start": "routed-experts capture stops the V2 runner at "
+                                   "start-up",
+    "_eos_token_id": "the scheduler's stop check and min_tokens",
+    "_all_stop_token_ids": "the scheduler's stop check and min_tokens",
+}
+# Refused unless at their default, with the reason the refusal names.
+TREE_REFUSED_REQUEST_FIELDS = {
+    "logprobs": "the tree sampler returns no sample logprobs yet",
+    "logprob_token_ids": "the tree sampler returns no logprobs yet",
+    "prompt_logprobs": "prompt logprobs are not checked against decoding without "
+                       "speculation yet",
+    "presence_penalty": "penalties count the tokens before a node, which differ "
+                        "between branches",
+    "frequency_penalty": "penalties count the tokens before a node, which differ "
+                         "between branches",
+    "repetition_penalty": "penalties count the tokens before a node, which differ "
+                          "between branches",
+    "bad_words": "bad words match the tokens before a node, which differ between "
+                 "branches",
+    "_bad_words_token_ids": "bad words match the tokens before a node, which differ "
+                            "between branches",
+    "structured_outputs": "grammar masks are not wired into the tree sampler "
+                          "(response_format json_object / json_schema, structural "
+                          "tags, guided decoding)",
+    "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "
+                             "runs on",
+}
 
-    Logit bias, allowed tokens, min_tokens, seeds and temperature/top-k/top-p/min-p
-    are honoured: they depend on the position, which is start + depth for every tree
-    node. Penalties and bad words depend on the tokens before a node, which differ
-    between branches; sample logprobs and structured outputs are not wired in yet.
-    """
+
+def sampling_param_fields(cls: type) -> tuple[str, ...]:
+    """The fields of vLLM's ``SamplingParams`` (a msgspec struct; a dataclass in
+    other releases)."""
+    fields = getattr(cls, "__struct_fields__", None)
+    if fields is None:
+        import dataclasses
+
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    return tuple(fields)
+
+
+@functools.lru_cache(maxsize=4)
+def _default_params(cls: type) -> Any:
+    return cls()
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or (isinstance(value, (list, tuple, dict, set)) and not value)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a request field is at its default; ``None`` and an empty container
+    both mean unset (SamplingParams turns ``bad_words=None`` into ``[]``)."""
+    if value is None or default is None:
+        return _is_unset(value) and _is_unset(default)
+    return bool(value == default)
+
+
+def validate_ddtree_request(params: Any) -> None:
+    """Refuse, per request, what DDTree cannot serve exactly (HTTP 400 in the OpenAI
+    server: vLLM turns this ValueError into a bad-request error).
+
+    An allowlist over every field of ``SamplingParams``: a field in
+    :data:`TREE_EXACT_REQUEST_FIELDS` may take any value; any other field, those of
+    :data:`TREE_REFUSED_REQUEST_FIELDS` and fields not classified yet, only its
+    default. The message names every refused field."""
+    defaults = _default_params(type(params))
     refused = []
-    if getattr(params, "logprobs", None) is not None:
-        refused.append("logprobs")
-    if getattr(params, "presence_penalty", 0.0) != 0.0:
-        refused.append("presence_penalty")
-    if getattr(params, "frequency_penalty", 0.0) != 0.0:
-        refused.append("frequency_penalty")
-    if getattr(params, "repetition_penalty", 1.0) != 1.0:
-        refused.append("repetition_penalty")
-    if getattr(params, "bad_words", None):
-        refused.append("bad_words")
-    if getattr(params, "structured_outputs", None) is not None:
-        refused.append("structured outputs (guided decoding)")
+    for name in sampling_param_fields(type(params)):
+        if name in TREE_EXACT_REQUEST_FIELDS:
+            continue
+        if _is_default(getattr(params, name, None), getattr(defaults, name, None)):
+            continue
+        reason = TREE_REFUSED_REQUEST_FIELDS.get(
+            name, "a sampling parameter DDTree does not know yet")
+        refused.append(f"{name} ({reason})")
     if refused:
         raise ValueError(
             "this server decodes with DDTree speculative decoding, which does not "
-            "support " + ", ".join(refused) + " yet; leave them unset."
+            "support " + "; ".join(refused) + " yet; leave them unset."
         )

@@ -54,6 +54,7 @@ from vllm_ddtree.kv_compaction import (
     compact_accepted_path_,
     compact_kv_cache_,
 )
+from vllm_ddtree.kv_layout import check_tree_kv_layout
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import (
     allocate_tree_attn_bias,
@@ -317,6 +318,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         target_input_buffers,
         target_attn_groups,
     ) -> None:
+        # At start-up, before any request: refuse a KV layout that one tree mask and
+        # one slot mapping for KV compaction cannot follow (vllm_ddtree.kv_layout).
+        check_tree_kv_layout(kv_cache_config, target_attn_groups,
+                             self.vllm_config.compilation_config.static_forward_context)
         super().set_attn(
             model_state,
             kv_cache_config,

@@ -610,3 +610,113 @@ def test_the_graph_default_runs_before_vllm_derives_the_capture_sizes():
     hook = source.find("ddtree_cudagraph_capture_size(self)")
     assert hook != -1, "the series is not applied to this vLLM"
     assert hook < source.find("self._set_cudagraph_sizes()")
+
+
+# --- targets a tree cannot verify exactly -----------------------------------------
+# Tiny hf configs of each shape through vLLM's own ModelConfig (config.json only, no
+# weights), so the window, layer types and M-RoPE are what vLLM itself resolves.
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=2048, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+
+TARGET_SHAPES = {
+    # Full attention everywhere: accepted.
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                  num_hidden_layers=2, **_SMALL),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], **_qwen3_fields()),
+    # Qwen3 checkpoints name a window they do not use.
+    "qwen3-window-off": dict(architectures=["Qwen3ForCausalLM"], **_qwen3_fields(
+        use_sliding_window=False, sliding_window=4096, max_window_layers=4)),
+    # Sliding windows.
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral",
+                    num_hidden_layers=2, sliding_window=64, **_SMALL),
+    "qwen3-window-on": dict(architectures=["Qwen3ForCausalLM"], **_qwen3_fields(
+        use_sliding_window=True, sliding_window=64, max_window_layers=4)),
+    "qwen2-window-on": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                            num_hidden_layers=2, use_sliding_window=True,
+                            sliding_window=64, max_window_layers=0, **_SMALL),
+    "llama-layer-types": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                              num_hidden_layers=4, sliding_window=32,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              **_SMALL),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                   num_hidden_layers=6, sliding_window=32, **_SMALL),
+    "gpt-oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                    num_hidden_layers=2, sliding_window=32, num_local_experts=4,
+                    num_experts_per_tok=2, **_SMALL),
+    # M-RoPE.
+    "qwen2.5-vl": dict(architectures=["Qwen2_5_VLForConditionalGeneration"],
+                       model_type="qwen2_5_vl",
+                       text_config=dict(model_type="qwen2_5_vl_text", num_hidden_layers=2,
+                                        rope_scaling=dict(type="mrope",
+                                                          mrope_section=[2, 3, 3]),
+                                        **_SMALL),
+                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                          num_heads=2, out_hidden_size=64),
+                       vocab_size=VOCAB),
+    "qwen3-vl": dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+                     text_config=dict(model_type="qwen3_vl_text", num_hidden_layers=2,
+                                      rope_scaling=dict(rope_type="default",
+                                                        mrope_section=[2, 3, 3],
+                                                        mrope_interleaved=True),
+                                      **_SMALL),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                        num_heads=2, out_hidden_size=64,
+                                        deepstack_visual_indexes=[0]),
+                     vocab_size=VOCAB),
+}
+
+
+@pytest.fixture(scope="module")
+def target_shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {name: _write_config(root / name, **fields) for name, fields in TARGET_SHAPES.items()}
+
+
+def _target(target_shapes, name, **options):
+    return ModelConfig(model=target_shapes[name], skip_tokenizer_init=True, **options)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3-window-off"])
+def test_full_attention_targets_are_accepted(target_shapes, spec32, name, monkeypatch):
+    from vllm_ddtree.config import target_attention_refusal
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    target = _target(target_shapes, name)
+    assert target.get_sliding_window() is None
+    assert target_attention_refusal(target) is None
+    validate_ddtree_vllm_config(_engine_config(target, spec32))
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("mistral", r"sliding-window attention in every layer \(sliding_window=64\)"),
+    ("qwen3-window-on", r"sliding-window attention in every layer \(sliding_window=64\)"),
+    ("qwen2-window-on", r"sliding-window attention in every layer \(sliding_window=64\)"),
+    ("llama-layer-types", r"sliding-window attention in layers 0, 2 of 4 "
+                          r"\('sliding_attention' in layer_types, sliding_window=32\)"),
+    ("gemma3", r"sliding-window attention in layers 0, 1, 2, 3, 4 of 6"),
+    ("gpt-oss", r"sliding-window attention in layers 0 of 2 .*attention sinks "
+                r"\(gpt-oss's learned sinks in every layer\)"),
+    ("qwen2.5-vl", r"M-RoPE \(rope_parameters / rope_scaling with an mrope_section\)"),
+    ("qwen3-vl", r"M-RoPE \(rope_parameters / rope_scaling with an mrope_section\)"),
+])
+def test_targets_a_tree_cannot_verify_are_refused_naming_why(target_shapes, spec32, name,
+                                                             reason, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    target = _target(target_shapes, name)
+    with pytest.raises(DDTreeConfigError, match="ddtree cannot verify the target .*" + reason):
+        validate_ddtree_vllm_config(_engine_config(target, spec32))
+
+
+def test_disabling_the_window_makes_a_sliding_target_exact(target_shapes, spec32, monkeypatch):
+    """--disable-sliding-window: vLLM attends fully and caps max_model_len at the
+    window, which is what the window would have seen; gpt-oss keeps its sinks."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    mistral = _target(target_shapes, "mistral", disable_sliding_window=True)
+    assert mistral.max_model_len == 64
+    validate_ddtree_vllm_config(_engine_config(mistral, spec32))
+    gpt_oss = _target(target_shapes, "gpt-oss", disable_sliding_window=True)
+    with pytest.raises(DDTreeConfigError, match="attention sinks") as info:
+        validate_ddtree_vllm_config(_engine_config(gpt_oss, spec32))
+    assert "sliding" not in str(info.value)
