@@ -93,8 +93,9 @@ def h200(monkeypatch):
     import vllm.platforms
 
     platform = H200Platform()
-    for module in (vllm.platforms, arg_utils, vllm_config_module):
-        monkeypatch.setattr(module, "current_platform", platform)
+    # vllm.platforms resolves it lazily; arg_utils bound it at import.
+    monkeypatch.setattr(vllm.platforms, "current_platform", platform, raising=False)
+    monkeypatch.setattr(arg_utils, "current_platform", platform)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     return platform
@@ -230,10 +231,11 @@ def test_explicit_settings_that_leave_nothing_to_schedule_are_refused_naming_bot
 
 
 def test_an_explicit_max_num_scheduled_tokens_is_kept(models, h200, ddtree_log):
+    """The user's tokens a step, with the drafter's slots on top."""
     cfg = _server_config(models, max_num_scheduled_tokens=4096)
     assert cfg.scheduler_config.max_num_scheduled_tokens == 4096
     assert cfg.scheduler_config.max_num_seqs == 1024
-    assert cfg.scheduler_config.max_num_batched_tokens == 8192 + DRAFTER_SLOTS * 1024
+    assert cfg.scheduler_config.max_num_batched_tokens == 4096 + DRAFTER_SLOTS * 1024
 
 
 def test_other_speculative_methods_keep_vllms_own_resolution(models, h200, ddtree_log):
