@@ -197,6 +197,105 @@ def resolve_ddtree_options(spec_config: Any) -> None:
     spec_config.ddtree_top_k = top_k
 
 
+def resolve_ddtree_batch_defaults(
+    spec_config: Any,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_num_scheduled_tokens: int | None,
+    *,
+    batched_tokens_given: bool,
+    num_seqs_given: bool,
+) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` for a DDTree engine, from the values
+    vLLM's ``EngineArgs`` resolved for its usage context and GPU (patch
+    ``engine_ddtree-batch-defaults``, right after vLLM fills in its defaults). The two
+    flags say which of the two the user gave; ``max_num_scheduled_tokens`` is the
+    user's or None. Raises DDTreeConfigError when the user's own settings cannot work.
+
+    The DFlash drafter's query adds ``max_num_new_slots_for_drafting`` tokens per
+    request (``ddtree_max_depth`` - 1) beyond the target's scheduled tokens, and vLLM
+    (``VllmConfig._set_max_num_scheduled_tokens``) takes them from
+    max_num_batched_tokens, for all max_num_seqs requests: scheduler budget =
+    max_num_batched_tokens - slots x max_num_seqs. vLLM's server defaults on an
+    H100/H200-class GPU (max_num_seqs 1024, max_num_batched_tokens 8192) leave
+    8192 - 14 x 1024 = -6144 tokens, and the server does not start.
+
+    What vLLM's users expect from its defaults is its concurrency (max_num_seqs) and
+    its tokens per step (the scheduler's budget: prefill chunk size, latency) — the
+    numbers its docs and benchmarks quote — not the size of the worker's buffers. So:
+
+    * max_num_batched_tokens not given: raised by the drafter's slots (as vLLM's own
+      error advises), so the scheduler keeps vLLM's tokens per step (or the user's
+      max_num_scheduled_tokens) and max_num_seqs is untouched. The cost is a larger
+      activation profile, hence a little less KV cache.
+    * max_num_batched_tokens given, max_num_seqs not: the user chose the batch, so
+      max_num_seqs is lowered until the drafter's slots take at most half of it
+      (or leave the user's max_num_scheduled_tokens).
+    * both given: kept; if they leave the scheduler nothing, a DDTreeConfigError
+      names both and what would work.
+
+    Each change is logged in one line naming the old and the new value.
+    """
+    slots = int(getattr(spec_config, "max_num_new_slots_for_drafting", 0) or 0)
+    if slots <= 0:
+        return max_num_batched_tokens, max_num_seqs
+    reserved = slots * max_num_seqs
+    why = (f"the DFlash drafter's query takes {slots} slots per request beyond the "
+           "scheduled tokens (ddtree_max_depth - 1), which vLLM reserves in "
+           "max_num_batched_tokens for every one of max_num_seqs requests")
+
+    if not batched_tokens_given:
+        per_step = (max_num_scheduled_tokens if max_num_scheduled_tokens is not None
+                    else max_num_batched_tokens)
+        raised = max(max_num_batched_tokens, per_step + reserved)
+        if raised != max_num_batched_tokens:
+            logger.info(
+                "ddtree: max_num_batched_tokens %d -> %d: %s (%d x %d = %d), so that "
+                "the scheduler keeps %d tokens a step and max_num_seqs=%d; set "
+                "--max-num-batched-tokens to choose it yourself.",
+                max_num_batched_tokens, raised, why, slots, max_num_seqs, reserved,
+                per_step, max_num_seqs)
+        return raised, max_num_seqs
+
+    if max_num_scheduled_tokens is not None:
+        room = max_num_batched_tokens - max_num_scheduled_tokens
+        kept = f"max_num_scheduled_tokens={max_num_scheduled_tokens}"
+    else:
+        room = max_num_batched_tokens // 2
+        kept = "half of it for the scheduled tokens"
+    fit = room // slots
+
+    if not num_seqs_given:
+        if fit >= max_num_seqs:
+            return max_num_batched_tokens, max_num_seqs
+        if fit >= 1:
+            logger.info(
+                "ddtree: max_num_seqs %d -> %d: %s, and max_num_batched_tokens=%d was "
+                "given, so max_num_seqs is lowered to leave %s; raise "
+                "--max-num-batched-tokens (or leave it unset) for more requests at once.",
+                max_num_seqs, fit, why, max_num_batched_tokens, kept)
+            return max_num_batched_tokens, fit
+
+    needed = max_num_scheduled_tokens if max_num_scheduled_tokens is not None else 1
+    left = max_num_batched_tokens - reserved
+    if left >= needed:
+        return max_num_batched_tokens, max_num_seqs
+    seqs = (f"max_num_seqs={max_num_seqs}" if num_seqs_given
+            else f"max_num_seqs (vLLM's default {max_num_seqs})")
+    per_step = (max_num_scheduled_tokens if max_num_scheduled_tokens is not None
+                else max_num_batched_tokens)
+    ways = [f"max_num_batched_tokens to at least {per_step + reserved} (keeps "
+            f"{per_step} tokens a step)"]
+    if fit >= 1:
+        ways.append(f"max_num_seqs to at most {fit} (leaves {kept})")
+    raise DDTreeConfigError(
+        f"ddtree: max_num_batched_tokens={max_num_batched_tokens} with {seqs} leaves "
+        f"{left} tokens a step to schedule (at least {needed} needed): {why} "
+        f"({slots} x {max_num_seqs} = {reserved}). Set " + " or ".join(ways)
+        + ", or leave max_num_batched_tokens unset so that DDTree sizes it."
+    )
+
+
 def is_auto_tokens_per_step(spec_config: Any) -> bool:
     from vllm_ddtree.cost_model import is_auto
 

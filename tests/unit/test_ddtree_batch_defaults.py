@@ -1,0 +1,246 @@
+"""vLLM's batch defaults for the OpenAI server on an H200-class GPU, with DDTree.
+
+vLLM's own ``EngineArgs.create_engine_config`` resolves max_num_seqs and
+max_num_batched_tokens here (``get_batch_defaults`` for usage context
+OPENAI_API_SERVER: 1024 and 8192 on a GPU of 70 GiB or more), with only the device
+queries it makes answered as an H200 would; then the patch
+``engine_ddtree-batch-defaults`` hands them to
+``vllm_ddtree.config.resolve_ddtree_batch_defaults`` and vLLM's ``VllmConfig``
+reserves the DFlash drafter's slots (``_set_max_num_scheduled_tokens``). Without the
+patch the README's configuration stops there with "max_num_scheduled_tokens is set to
+-6144".
+
+Needs the patched vLLM (``./apply.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+import vllm.engine.arg_utils as arg_utils  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+from vllm.usage.usage_lib import UsageContext  # noqa: E402
+from vllm.utils.mem_constants import GiB_bytes  # noqa: E402
+
+from bench.tiny_models import tiny_qwen3_config  # noqa: E402
+from vllm_ddtree.config import DDTreeConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# The README's configuration: budget 64, at most 512 verified tokens a step.
+README_SPEC = {"method": "ddtree", "num_speculative_tokens": 64, "ddtree_tokens_per_step": 512}
+DRAFTER_SLOTS = 14  # ddtree_max_depth 15 (block size 16) - 1
+H200_MEMORY = 141 * GiB_bytes
+
+
+def _write_model(path: Path, **fields) -> str:
+    path.mkdir()
+    config = tiny_qwen3_config(vocab_size=1024, hidden_size=64, intermediate_size=128,
+                               head_dim=16, max_position_embeddings=32768,
+                               torch_dtype="bfloat16")
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": _write_model(root / "target", architectures=["Qwen3ForCausalLM"]),
+        "drafter": _write_model(
+            root / "drafter", architectures=["DFlashDraftModel"], num_hidden_layers=1,
+            block_size=16, dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]}),
+    }
+
+
+class H200Platform(CpuPlatform):
+    """vLLM's CPU platform answering the device queries as one H200 does: 141 GiB,
+    named "NVIDIA H200", not a CPU (vLLM's large-GPU batch defaults come from these
+    three, ``EngineArgs.get_batch_defaults``), and keeping vLLM's asynchronous
+    scheduling as the CUDA platform does (the CPU platform turns it off)."""
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return H200_MEMORY
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "NVIDIA H200"
+
+    def is_cpu(self) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        async_scheduling = vllm_config.scheduler_config.async_scheduling
+        super().check_and_update_config(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = async_scheduling
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """vLLM's engine arguments and VllmConfig on an H200 (Triton has a driver there)."""
+    import vllm.config.vllm as vllm_config_module
+    import vllm.platforms
+
+    platform = H200Platform()
+    # vllm.platforms resolves it lazily; arg_utils bound it at import.
+    monkeypatch.setattr(vllm.platforms, "current_platform", platform, raising=False)
+    monkeypatch.setattr(arg_utils, "current_platform", platform)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    return platform
+
+
+@pytest.fixture
+def ddtree_log():
+    """Records of vllm_ddtree.config's logger (a child of vLLM's, which does not
+    propagate to pytest's root handler)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    log = logging.getLogger("vllm.ddtree")
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield records
+    log.removeHandler(handler)
+    log.setLevel(old_level)
+
+
+def _server_config(models, spec=None, **engine_args):
+    """What `vllm serve <target> --speculative-config <spec> ...` resolves to."""
+    speculative = dict(README_SPEC if spec is None else spec, model=models["drafter"])
+    args = AsyncEngineArgs(model=models["target"], skip_tokenizer_init=True,
+                           speculative_config=speculative, **engine_args)
+    return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+def test_vllm_picks_its_h200_server_defaults(h200):
+    """The mocked device is one vLLM's own rule gives its large-GPU server defaults."""
+    batched, seqs = AsyncEngineArgs.get_batch_defaults(world_size=1)
+    assert batched[UsageContext.OPENAI_API_SERVER] == 8192
+    assert seqs[UsageContext.OPENAI_API_SERVER] == 1024
+
+
+def test_the_readme_configuration_starts_with_vllms_server_defaults(models, h200, ddtree_log):
+    cfg = _server_config(models)
+    scheduler = cfg.scheduler_config
+    assert cfg.speculative_config.method == "ddtree"
+    assert cfg.speculative_config.ddtree_max_depth == 15
+    # vLLM's concurrency and tokens per step stand; the drafter's slots come on top.
+    assert scheduler.max_num_seqs == 1024
+    assert scheduler.max_num_scheduled_tokens == 8192
+    assert scheduler.max_num_batched_tokens == 8192 + DRAFTER_SLOTS * 1024
+    # The DFlash drafter's query of a full batch fits its input buffer
+    # (max_num_batched_tokens): 1024 requests x (1 + depth) tokens.
+    assert 1024 * (1 + 15) <= scheduler.max_num_batched_tokens
+    lines = [m for m in (r.getMessage() for r in ddtree_log)
+             if "max_num_batched_tokens 8192 -> 22528" in m]
+    assert len(lines) == 1, [r.getMessage() for r in ddtree_log]
+    assert "14 x 1024 = 14336" in lines[0] and "keeps 8192 tokens a step" in lines[0]
+    assert not [r for r in ddtree_log if "max_num_seqs 1024 ->" in r.getMessage()]
+
+
+def _deploy_argv(models):
+    """`vllm serve` arguments that deploy/entrypoint.sh builds from the Kubernetes
+    base's ddtree.env, with the model paths pointed at the test's models."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DDTREE_", "MODEL", "MAX_", "GPU_", "TENSOR_", "EXTRA_"))}
+    for line in (ROOT / "deploy/k8s/base/ddtree.env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, value = line.split("=", 1)
+            env[name] = value
+    env.update(MODEL=models["target"], DDTREE_DRAFTER=models["drafter"], DRY_RUN="1")
+    out = subprocess.run(["bash", str(ROOT / "deploy/entrypoint.sh")], env=env, text=True,
+                         capture_output=True, timeout=60, check=True).stdout
+    argv = shlex.split(out)
+    assert argv[:3] == ["vllm", "serve", models["target"]], argv
+    return argv[3:]
+
+
+def test_the_image_and_kubernetes_base_start_with_vllms_server_defaults(
+        models, h200, ddtree_log):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = _deploy_argv(models)
+    assert not any(a.startswith(("--max-num-seqs", "--max-num-batched-tokens")) for a in argv)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    args.model = models["target"]
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine_args.skip_tokenizer_init = True
+    cfg = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    assert cfg.speculative_config.num_speculative_tokens == 64
+    assert cfg.speculative_config.ddtree_tokens_per_step == 128
+    assert cfg.model_config.max_model_len == 8192
+    assert cfg.scheduler_config.max_num_seqs == 1024
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 8192
+    assert cfg.scheduler_config.max_num_batched_tokens == 8192 + DRAFTER_SLOTS * 1024
+
+
+def test_an_explicit_max_num_seqs_keeps_vllms_tokens_per_step(models, h200, ddtree_log):
+    cfg = _server_config(models, max_num_seqs=64)
+    assert cfg.scheduler_config.max_num_seqs == 64
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 8192
+    assert cfg.scheduler_config.max_num_batched_tokens == 8192 + DRAFTER_SLOTS * 64
+
+
+def test_an_explicit_max_num_batched_tokens_lowers_the_default_max_num_seqs(
+        models, h200, ddtree_log):
+    cfg = _server_config(models, max_num_batched_tokens=8192)
+    # The drafter's slots take at most half of the user's 8192: 4096 // 14 = 292.
+    assert cfg.scheduler_config.max_num_batched_tokens == 8192
+    assert cfg.scheduler_config.max_num_seqs == 292
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 8192 - DRAFTER_SLOTS * 292
+    lines = [r.getMessage() for r in ddtree_log if "max_num_seqs 1024 -> 292" in r.getMessage()]
+    assert len(lines) == 1 and "max_num_batched_tokens=8192 was given" in lines[0]
+
+
+def test_a_large_explicit_max_num_batched_tokens_keeps_vllms_max_num_seqs(
+        models, h200, ddtree_log):
+    cfg = _server_config(models, max_num_batched_tokens=32768)
+    assert cfg.scheduler_config.max_num_seqs == 1024
+    assert cfg.scheduler_config.max_num_batched_tokens == 32768
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 32768 - DRAFTER_SLOTS * 1024
+    assert not [r for r in ddtree_log if "->" in r.getMessage()]
+
+
+def test_explicit_settings_that_leave_nothing_to_schedule_are_refused_naming_both(
+        models, h200):
+    with pytest.raises(DDTreeConfigError) as err:
+        _server_config(models, max_num_batched_tokens=8192, max_num_seqs=1024)
+    message = str(err.value)
+    assert "max_num_batched_tokens=8192 with max_num_seqs=1024 leaves -6144 tokens" in message
+    assert "max_num_batched_tokens to at least 22528" in message
+    assert "max_num_seqs to at most 292" in message
+    # Each way out it names starts.
+    assert _server_config(models, max_num_batched_tokens=22528, max_num_seqs=1024) \
+        .scheduler_config.max_num_scheduled_tokens == 8192
+    assert _server_config(models, max_num_batched_tokens=8192, max_num_seqs=292) \
+        .scheduler_config.max_num_seqs == 292
+
+
+def test_an_explicit_max_num_scheduled_tokens_is_kept(models, h200, ddtree_log):
+    """The user's tokens a step, with the drafter's slots on top."""
+    cfg = _server_config(models, max_num_scheduled_tokens=4096)
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 4096
+    assert cfg.scheduler_config.max_num_seqs == 1024
+    assert cfg.scheduler_config.max_num_batched_tokens == 4096 + DRAFTER_SLOTS * 1024
+
+
+def test_other_speculative_methods_keep_vllms_own_resolution(models, h200, ddtree_log):
+    """The hook is DDTree's only: vLLM's DFlash chain with the same drafter still
+    meets vLLM's own accounting (and its error) at these defaults."""
+    with pytest.raises(Exception, match="max_num_scheduled_tokens is set to -6144"):
+        _server_config(models, {"method": "dflash", "num_speculative_tokens": 15})
+    assert not ddtree_log
