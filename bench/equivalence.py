@@ -17,7 +17,7 @@ import os
 import sys
 
 KEY = ("target", "method", "config", "vllm_version", "dtype", "graphs", "batch",
-       "temperature", "top_k", "top_p", "seeded", "scenario", "tp", "executor")
+       "temperature", "top_k", "top_p", "seeded", "sampling", "scenario", "tp", "executor")
 
 
 def read_result(path: str) -> dict:

@@ -132,21 +132,24 @@ SAMPLING_MODES = {
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=1.0),
     "seeded-topk-topp": dict(temperature=0.8, top_k=40, top_p=0.9),
+    # Position-keyed and per-row settings a tree applies exactly: a logit bias on two
+    # common tokens, and min_tokens (stop tokens masked before it).
+    "seeded-bias": dict(temperature=1.0, logit_bias={260: 1.5, 284: -1.5}, min_tokens=96),
 }
 
 
-def sampling_params(mode: str, n: int, max_tokens: int) -> list:
-    """One SamplingParams per request for sampling ``mode``."""
+def sampling_params(mode: str, n: int, max_tokens: int, first: int = 0) -> list:
+    """One SamplingParams per request for sampling ``mode`` (requests first, first+1...)."""
     from vllm import SamplingParams
 
     kw = SAMPLING_MODES[mode]
     seeded = mode != "greedy"
     return [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                           seed=1000 + i if seeded else None, **kw) for i in range(n)]
+                           seed=1000 + first + i if seeded else None, **kw) for i in range(n)]
 
 
-def _generate(llm, prompts, max_tokens, mode: str):
-    sps = sampling_params(mode, len(prompts), max_tokens)
+def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):
+    sps = sampling_params(mode, len(prompts), max_tokens, first)
     t = time.time()
     outs = llm.generate(prompts, sps, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.time() - t
@@ -226,6 +229,7 @@ def run_equiv(args) -> dict:
                             vllm_version=results["vllm_version"], dtype=args.dtype,
                             graphs=not eager, batch=bs, temperature=kw["temperature"],
                             top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=m != "greedy",
+                            sampling=m,
                             scenario="random-prompts", tp=tp, executor=os.environ.get(
                                 "DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni"),
                             identical=entry["identical_outputs"], total=entry["num_outputs"],
@@ -323,6 +327,7 @@ def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
         config=config, vllm_version=results["vllm_version"], dtype=results["dtype"],
         graphs=not results["eager"], batch=entry["batch"], temperature=kw["temperature"],
         top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=sampling != "greedy",
+        sampling=sampling,
         scenario=scenario, identical=entry["identical_outputs"], total=entry["num_outputs"],
         prompt_set=results["prompt_set"], max_tokens=results["max_tokens"],
         batch_invariant=results["batch_invariant"], git_rev=results.get("git_rev"),
@@ -337,6 +342,89 @@ def _git_rev() -> str | None:
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> list[float]:
+    """vLLM's own Gumbel noise (its sampling kernel, fp32) at (seed, position) for each
+    of ``tokens``: a row of -inf logits but 0 at the token gives the noise as the row's
+    block maximum."""
+    import torch
+    from vllm.triton_utils import triton
+    from vllm.v1.worker.gpu.sample.gumbel import _gumbel_sample_kernel
+
+    n = len(tokens)
+    logits = torch.full((n, vocab_size), float("-inf"), dtype=torch.float32, device="cuda")
+    logits[torch.arange(n), torch.tensor(tokens)] = 0.0
+    block = 1024
+    num_blocks = triton.cdiv(vocab_size, block)
+    local_argmax = torch.empty(n, num_blocks, dtype=torch.int64, device="cuda")
+    local_max = torch.empty(n, num_blocks, dtype=torch.float32, device="cuda")
+    _gumbel_sample_kernel[(n, num_blocks)](
+        local_argmax, local_argmax.stride(0), local_max, local_max.stride(0),
+        None, 0, None, logits, logits.stride(0),
+        torch.zeros(n, dtype=torch.int32, device="cuda"),
+        torch.tensor([seed], dtype=torch.int64, device="cuda"),
+        torch.full((n,), pos, dtype=torch.int64, device="cuda"),
+        torch.ones(1, dtype=torch.float32, device="cuda"),
+        vocab_size, BLOCK_SIZE=block, APPLY_TEMPERATURE=False, USE_FP64=False,
+        PER_TOKEN_COL=False,
+    )
+    return [float(local_max[i, t // block]) for i, t in enumerate(tokens)]
+
+
+def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> list[dict]:
+    """For every first difference of a DDTree (or chain) run from the reference: the
+    reference engine recomputes that position (prompt + the common prefix, one token,
+    the same seed and so the same noise key) with top-20 logprobs, and the margin by
+    which the reference's token beat the other one is computed from the logprobs
+    (and, seeded, vLLM's own noise at that key). A margin within float32 rounding of
+    the logits means the two engines' logits differed in their last bits at a near
+    tie; a large margin means the speculative run chose a token plain decoding could
+    not have (a bug)."""
+    from vllm import SamplingParams
+
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    found = []
+    for run in results["runs"]:
+        mode = run.get("sampling", "greedy")
+        for diff in run.get("differences", []) or []:
+            i, d = diff["request"], diff["token"]
+            ref = run["reference_tokens"][i] if "reference_tokens" in run else None
+            if ref is None:
+                continue
+            out_token = diff["output"][d - max(0, d - 3)] if d - max(0, d - 3) < len(diff["output"]) else None
+            ref_token = ref[d]
+            if out_token is None:
+                continue
+            base = prompts[i]["prompt_token_ids"]
+            kw = dict(SAMPLING_MODES[mode])
+            if kw.pop("logit_bias", None) is not None or kw.pop("min_tokens", None):
+                continue  # the recomputation would need the bias (and output length) too
+            seed = 1000 + i if mode != "greedy" else None
+            sp = SamplingParams(max_tokens=1, logprobs=20, seed=seed, ignore_eos=True, **kw)
+            got = llm.generate([{"prompt_token_ids": base + ref[:d]}], sp, use_tqdm=False)[0]
+            lp = got.outputs[0].logprobs[0]
+            entry = dict(config=run["config"], batch=run.get("batch"), sampling=mode,
+                         request=i, token=d, reference_token=ref_token, output_token=out_token,
+                         recomputed_token=got.outputs[0].token_ids[0])
+            if ref_token not in lp or out_token not in lp:
+                entry["margin"] = None
+                entry["note"] = "a token outside the top 20 logprobs"
+                found.append(entry)
+                continue
+            temp = kw["temperature"]
+            gap = lp[ref_token].logprob - lp[out_token].logprob
+            if temp == 0:
+                margin = gap
+            else:
+                pos = len(base) + d - 1
+                g_ref, g_out = gumbel_noise(seed, pos, [ref_token, out_token], vocab)
+                margin = gap / temp + (g_ref - g_out)
+                entry.update(noise_reference=g_ref, noise_output=g_out)
+            entry.update(logprob_gap=gap, margin=margin, near_tie=abs(margin) <= max_margin)
+            found.append(entry)
+            print(json.dumps(dict(near_tie=entry)), flush=True)
+    return found
 
 
 def run_equiv_real(args) -> dict:
@@ -382,7 +470,8 @@ def run_equiv_real(args) -> dict:
         # difference is the engine's own dependence on the batch's shape, which bounds
         # what exactness the speculative runs can show in this mode.
         for m in modes:
-            alone = [_generate(base, [p], args.max_tokens, m)[0][0] for p in prompts[:n]]
+            alone = [_generate(base, [p], args.max_tokens, m, first=i)[0][0]
+                     for i, p in enumerate(prompts[:n])]
             record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[m][n])), m)
     _free(base)
 
@@ -425,7 +514,8 @@ def run_equiv_real(args) -> dict:
                 try:
                     out, secs = _generate(llm, prompts[:bs], args.max_tokens, m)
                     record(dict(config=name, batch=bs, async_scheduling=async_on,
-                                seconds=round(secs, 3), **_compare(out, ref[m][bs])), m)
+                                seconds=round(secs, 3), **_compare(out, ref[m][bs]),
+                                reference_tokens=_differing(out, ref[m][bs])), m)
                 except Exception as exc:
                     record(dict(config=name, batch=bs, error=repr(exc)[:1500]), m)
         results["runs"][-1]["spec_metrics"] = _spec_stats(llm)
@@ -464,11 +554,24 @@ def run_equiv_real(args) -> dict:
                 except Exception as exc:
                     stats["error"] = repr(exc)
                 record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
-                            preemption_metrics=stats, **_compare(out, ref[m][n])), m)
+                            preemption_metrics=stats, **_compare(out, ref[m][n]),
+                            reference_tokens=_differing(out, ref[m][n])), m)
             _free(llm)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
+    if args.near_ties and any(r.get("differences") for r in results["runs"]):
+        base = _engine(target, None, eager, False, args.dtype)
+        try:
+            results["near_ties"] = near_tie_margins(base, prompts, results)
+        except Exception as exc:
+            results["near_ties_error"] = repr(exc)[:1500]
+        _free(base)
     return results
+
+
+def _differing(out: list[list[int]], ref: list[list[int]]) -> dict[int, list[int]]:
+    """The reference tokens of the requests whose outputs differ, by request index."""
+    return {i: b for i, (a, b) in enumerate(zip(out, ref)) if a != b}
 
 
 def main() -> None:
@@ -489,6 +592,8 @@ def main() -> None:
     parser.add_argument("--sampling", nargs="+", choices=list(SAMPLING_MODES), default=["greedy"],
                         help="equiv-real: sampling modes (seeded: per-request seeds, T > 0)")
     parser.add_argument("--target-name", help="equiv-real: the target's name in the cases")
+    parser.add_argument("--near-ties", action="store_true",
+                        help="equiv-real: the margin of every first difference (near_tie_margins)")
     parser.add_argument("--target-shapes", nargs="+", choices=list(TARGET_SHAPES),
                         default=["qwen3"], help="equiv without --target: tiny random shapes")
     parser.add_argument("--variants", nargs="+", choices=EQUIV_REAL_VARIANTS + EQUIV_REAL_CONTROLS,

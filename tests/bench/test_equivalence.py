@@ -1,0 +1,71 @@
+"""The equivalence checks' bookkeeping on the CPU: how a difference is described, the
+case rows of bench/results/equivalence.json and their gathering (bench/equivalence.py)."""
+
+import gzip
+import json
+
+import pytest
+
+from bench import equivalence
+from bench.gpu_checks import SAMPLING_MODES, differences, equivalence_case
+
+
+def test_differences_name_the_first_differing_token_and_a_dropped_token():
+    ref = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [7, 8]]
+    out = [[1, 2, 3, 4, 5, 6], [1, 2, 4, 5, 9, 9], [7, 9]]
+    found = differences(out, ref)
+    assert [(d["request"], d["token"]) for d in found] == [(1, 2), (2, 1)]
+    assert found[0]["dropped_one"] and not found[0]["repeated_one"]
+    assert not found[1]["dropped_one"]
+    assert found[0]["output"] == [1, 2, 4, 5, 9, 9] and found[0]["reference"] == ref[1]
+
+
+def test_a_repeated_token_is_named_too():
+    found = differences([[1, 2, 2, 3, 4]], [[1, 2, 3, 4, 5]])
+    assert found[0]["token"] == 2 and found[0]["repeated_one"]
+
+
+def _result(**kw):
+    return dict(target_name="smollm2-135m", vllm_version="0.26.0", dtype="float32", eager=True,
+                prompt_set="sharegpt", max_tokens=128, batch_invariant=False, git_rev="abc",
+                **kw)
+
+
+def test_cases_carry_the_issue_fields():
+    entry = dict(config="ddtree-preempt", batch=16, identical_outputs=15, num_outputs=16)
+    case = equivalence_case(_result(), entry, "seeded-topk-topp")
+    assert case["scenario"] == "preempt" and case["method"] == "ddtree"
+    assert (case["identical"], case["total"], case["graphs"], case["seeded"]) == (15, 16, False, True)
+    assert case["temperature"] == SAMPLING_MODES["seeded-topk-topp"]["temperature"]
+    assert case["top_k"] == 40 and case["top_p"] == 0.9
+    chain = equivalence_case(_result(), dict(config="dflash-chain-aborts", batch=16,
+                                              identical_outputs=3, num_outputs=11), "greedy")
+    assert chain["method"] == "dflash" and chain["scenario"] == "aborts"
+    # Errors and the engine's own batch-shape control are not cases.
+    assert equivalence_case(_result(), dict(config="ddtree-async", error="x"), "greedy") is None
+    assert equivalence_case(_result(), dict(config="no-spec-batch-shape", batch=16,
+                                            identical_outputs=16, num_outputs=16), "greedy") is None
+
+
+def _write(path, cases, complete=True):
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(complete=complete, cases=cases), f)
+
+
+def test_gather_keeps_the_newest_case_per_key_and_names_its_file(tmp_path):
+    base = equivalence_case(_result(), dict(config="ddtree-async", batch=16, identical_outputs=15,
+                                            num_outputs=16), "seeded")
+    newer = dict(base, identical=16)
+    other = dict(base, batch=1, identical=1, total=1)
+    _write(tmp_path / "a.json.gz", [base, other])
+    _write(tmp_path / "b.json.gz", [newer])
+    table = equivalence.gather([str(tmp_path / "a.json.gz"), str(tmp_path / "b.json.gz")])
+    assert table["summary"] == dict(cases=2, identical=17, total=17, all_identical_ddtree=True)
+    by_batch = {c["batch"]: c for c in table["cases"]}
+    assert by_batch[16]["result_file"] == "b.json.gz" and by_batch[1]["result_file"] == "a.json.gz"
+
+
+def test_gather_refuses_an_incomplete_run(tmp_path):
+    _write(tmp_path / "a.json.gz", [], complete=False)
+    with pytest.raises(SystemExit, match="did not complete"):
+        equivalence.gather([str(tmp_path / "a.json.gz")])
