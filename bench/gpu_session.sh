@@ -214,7 +214,7 @@ case "$step" in
         --drafter "$DRAFTER" --data "$DATA" --out "$OUT/equiv-smollm2-fp32-$m.json" --dtype float32 \
         --num-prompts 16 --max-tokens "${LOSSLESS_MAX_TOKENS:-128}" --budgets 32 --batch-sizes 1 16 \
         --eager-modes "$m" --prompt-set "${LOSSLESS_PROMPT_SET:-sharegpt}" --target-name smollm2-135m \
-        --sampling ${LOSSLESS_SAMPLING:-greedy seeded seeded-topk-topp} \
+        --sampling ${LOSSLESS_SAMPLING:-greedy seeded seeded-topk-topp seeded-bias} --near-ties \
         ${LOSSLESS_VARIANTS:+--variants $LOSSLESS_VARIANTS} > "$OUT/equiv-$m.log" 2>&1
       echo "lossless $m rc=$?"; grep '^{' "$OUT/equiv-$m.log" | cut -c1-600
     done
