@@ -26,6 +26,7 @@
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh lossless # greedy and seeded T>0 equivalence, real pair, float32
+#   bash bench/gpu_session.sh shapes   # the same on tiny random Qwen3 / Llama-3 / Qwen3-MoE targets
 #                                      # (LOSSLESS_MODES="eager graphs", LOSSLESS_VARIANTS, ...)
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
@@ -214,10 +215,20 @@ case "$step" in
         --drafter "$DRAFTER" --data "$DATA" --out "$OUT/equiv-smollm2-fp32-$m.json" --dtype float32 \
         --num-prompts 16 --max-tokens "${LOSSLESS_MAX_TOKENS:-128}" --budgets 32 --batch-sizes 1 16 \
         --eager-modes "$m" --prompt-set "${LOSSLESS_PROMPT_SET:-sharegpt}" --target-name smollm2-135m \
-        --sampling ${LOSSLESS_SAMPLING:-greedy seeded seeded-topk-topp seeded-bias} --near-ties \
+        --sampling ${LOSSLESS_SAMPLING:-greedy seeded seeded-topk-topp seeded-min-tokens} --near-ties \
         ${LOSSLESS_VARIANTS:+--variants $LOSSLESS_VARIANTS} > "$OUT/equiv-$m.log" 2>&1
       echo "lossless $m rc=$?"; grep '^{' "$OUT/equiv-$m.log" | cut -c1-600
     done
+    ;;
+  shapes)
+    # Tiny random targets of the families public DFlash drafters serve (dummy weights,
+    # float32, eager): SHAPES (qwen3 llama3 qwen3-moe; qwen3-moe needs vLLM's MoE kernels).
+    apply_series
+    # shellcheck disable=SC2086  # a list of shapes
+    timeout "${SHAPES_TIMEOUT_S:-300}" python3 bench/gpu_checks.py equiv --out "$OUT/equiv-tiny-shapes-fp32-eager.json" \
+      --dtype float32 --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 \
+      --target-shapes ${SHAPES:-qwen3 llama3 qwen3-moe} --sampling greedy seeded > "$OUT/equiv-shapes.log" 2>&1
+    echo "shapes rc=$?"; grep '^{' "$OUT/equiv-shapes.log" | cut -c1-300
     ;;
   graphs)
     prepare
