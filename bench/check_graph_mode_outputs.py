@@ -1,9 +1,10 @@
 """Does a CUDA-graph mode give the greedy tokens eager execution gives? (GPU host)
 
-Session 14 found plain decoding with ``cudagraph_mode=FULL`` on FLASH_ATTN (the
+A steady benchmark found plain decoding with ``cudagraph_mode=FULL`` on FLASH_ATTN (the
 benchmarks' ``no-spec+cgfull+cg1024``) differing from vLLM's default graphs from the
 first token in 16 of 16 requests at batch 4, and the DFlash chain in that mode
-accepting almost nothing (tau 1.004): prefills replayed in whole-forward graphs.
+accepting almost nothing (tau 1.004): prefills replayed in whole-forward graphs
+(``bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/bench-steady-b4-default-graph-reference.json.gz``).
 This asks the question without speculation and without the series' DDTree paths:
 each mode runs in its own process (two FULL engines cannot share one, see
 docs/operations.md) on the same prompts, submitted together so that their prefills
@@ -15,7 +16,7 @@ share steps, and every mode's tokens are compared with the first mode's.
 Modes: ``eager`` (enforce_eager), ``default`` (vLLM's FULL_AND_PIECEWISE),
 ``full`` (FULL, graphs up to 1024 tokens), ``full-decode`` (FULL_DECODE_ONLY), and
 ``full-maxq``: ``full`` with the V2 runner capturing its graphs with ``max_query_len``
-set to the graph's token count, as the V1 runner does (session 14's suspected cause;
+set to the graph's token count, as the V1 runner does (the suspected cause, read in the sources;
 engine in this process so the change reaches it; run it with the series reverted,
 ``GRAPHMODES_PRISTINE=1``, since patch 10 turns FULL on FlashAttention into
 FULL_AND_PIECEWISE). The JSON also records whether the series was applied

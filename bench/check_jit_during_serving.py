@@ -6,8 +6,9 @@ compiles during inference: a latency spike for the request that meets it, and an
 error under ``--jit-monitor-mode error``. Triton compiles a kernel again for each
 new specialisation of its arguments (an integer equal to 1 or divisible by 16, a
 new ``constexpr`` such as a block size), so a warm-up at one batch size leaves the
-others to the first requests that reach them. Session 14's logs showed four
-kernels compiling at the first tree steps of every DDTree engine.
+others to the first requests that reach them. The engine logs of
+``bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/``
+showed four kernels compiling at the first tree steps of every DDTree engine.
 
 This starts one engine of a benchmark config (``bench/run.py`` names) with the
 monitor verbose, sends a wave of requests at each batch size in turn, and records

@@ -262,8 +262,9 @@ case "$step" in
     ;;
   exact)
     prepare
-    # One dtype per device call by default: in session 5 a float32 engine took 99 s to
-    # start in this mode (76 s of compilation) and both dtypes ran past 285 s each.
+    # One dtype per device call by default: a float32 engine took 99 s to start in
+    # this mode (76 s of compilation) and both dtypes ran past 285 s each
+    # (bench/results/exact/).
     read -r -a dtypes <<< "${EXACT_DTYPES:-float32}"
     for dt in "${dtypes[@]}"; do
       VLLM_BATCH_INVARIANT=1 timeout $((560 / ${#dtypes[@]})) python3 bench/gpu_checks.py equiv-real --target "$TARGET" \
@@ -287,7 +288,8 @@ case "$step" in
       --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75
     ;;
   gap)
-    # What a drafting-off step costs beyond a plain one (session 7's open question):
+    # What a drafting-off step costs beyond a plain one (left open by
+    # bench/results/2026-11-30-drafter-context-graphs/):
     # plain decoding on FLASH_ATTN and on TRITON_ATTN (DDTree's backend) beside DDTree
     # with drafting off from 4 requests, its trees on Triton and on FlashAttention;
     # one run, two repeats per cell (gap-profile: cProfile of the steps).
@@ -312,15 +314,17 @@ case "$step" in
     ;;
   rounds)
     # Engine-to-engine noise against the configurations' difference: every engine
-    # started ROUNDS_N times in alternating order (A B, B A), T=0 (session 8 saw two
-    # engines of one configuration differ by up to 1.56x in a cell; session 9's rounds
-    # showed a DDTree gap at batch 16-64 beyond it). The default DDTree drafts below 32
-    # requests (session 9: trees beat drafting off at batch 4 and 16, not at 64).
+    # started ROUNDS_N times in alternating order (A B, B A), T=0 (two engines of one
+    # configuration differed by up to 1.56x in a cell,
+    # bench/results/2026-11-30-plain-decoding-gap-flash-tree/; rounds showed a DDTree gap
+    # at batch 16-64 beyond it, bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/).
+    # The default DDTree drafts below 32 requests (in those rounds trees beat drafting
+    # off at batch 4 and 16, not at 64).
     prepare
     read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d32}"
     read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
-    # 48 requests a cell (session 9 ran 16: one 0.3 s wave at batch 16, whose two runs
-    # differed by up to 1.36x); ~25 s of cells per engine more.
+    # 48 requests a cell (16 made one 0.3 s wave at batch 16, whose two runs differed
+    # by up to 1.36x); ~25 s of cells per engine more.
     fixture_bench rounds 560 --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
       --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 48 \
       --time-budget-s 540 --engine-estimate-s 130
@@ -328,10 +332,11 @@ case "$step" in
   steady)
     # Constant concurrency (bench/run.py --cell-mode steady): BATCH requests in flight,
     # refilled as each finishes, as a server at that concurrency sees it; in the
-    # default waves each wave ends with its slowest request (session 9: a DDTree wave
+    # default waves each wave ends with its slowest request (a DDTree wave
     # at batch 16 ran 1.2x faster per token than a plain one, but its first tokens and
-    # its last request cost that back). STEADY_PROFILE=1 adds DDTree's per-stage step
-    # times, steps that prefill a joining request grouped apart.
+    # its last request cost that back,
+    # bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/).
+    # STEADY_PROFILE=1 adds DDTree's per-stage step times, steps that prefill a joining request grouped apart.
     prepare
     read -r -a sconfigs <<< "${STEADY_CONFIGS:-no-spec ddtree-b64-t512 ddtree-b64-t512-d32}"
     read -r -a sbatches <<< "${STEADY_BATCH_SIZES:-4 16 64}"
@@ -386,7 +391,8 @@ case "$step" in
     # process, compared with the first): bench/check_graph_mode_outputs.py. With the
     # series, "full" should give eager's tokens (patch 10: FULL on FlashAttention becomes
     # FULL_AND_PIECEWISE on the V2 runner). GRAPHMODES_PRISTINE=1: the series reverted
-    # first (vLLM as shipped, session 14's check: FULL wrong from the first token).
+    # first (vLLM as shipped; bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/
+    # graph-mode-outputs-pristine.json: FULL wrong from the first token).
     prepare
     if [ -n "${GRAPHMODES_PRISTINE:-}" ]; then
       ./apply.sh --site "$VLLM_SITE" --revert >> "$OUT/apply.log" 2>&1 || { echo "revert failed"; exit 1; }
@@ -411,16 +417,18 @@ case "$step" in
     ;;
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
-    # GAP_PROFILE_BATCH requests (session 9: a drafting-off step cost what a plain one
-    # did at batch 4 and 0.3-0.6 ms more at 16); every other config is compared
+    # GAP_PROFILE_BATCH requests (in the engine rounds a drafting-off step cost what a
+    # plain one did at batch 4 and 0.3-0.6 ms more at 16); every other config is compared
     # with the first.
     prepare
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
     # GAP_PROFILE_STEADY=N: a constant-concurrency cell of N requests instead of one
-    # wave (session 10: steps that prefill a joining request cost 4-9x a decode step).
+    # wave (steps that prefill a joining request cost 4-9x a decode step,
+    # bench/results/2026-11-30-steady-concurrency-cost8b-auto/).
     # One process per engine: a second engine with FULL graphs in a process that
-    # held one failed its capture (CUDACachingAllocator use_count assert, session 13).
+    # held one failed its capture (CUDACachingAllocator use_count assert,
+    # bench/results/2026-11-30-steady-full-graphs-host-profile/).
     for config in "${pconfigs[@]}"; do
       timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
         --configs "$config" --max-tokens 64 --out-dir "$OUT/profile" \
@@ -441,7 +449,8 @@ case "$step" in
     [ -f "$FUSED_VERDICT" ] || fused_tests
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${PROFILE_CONFIGS:-dflash ddtree-b32}"
-    # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process (session 3's run).
+    # PROFILE_MODE=inproc: cProfile + torch.profiler in the benchmark's process
+    # (bench/results/profile/).
     timeout 420 python3 bench/profile_step.py --engine-process "${PROFILE_MODE:-mp}" \
       --configs "${pconfigs[@]}" --max-tokens 64 ${PROFILE_TRACE:+--trace} \
       --out-dir "$OUT/profile" > "$OUT/profile/profile-step.log" 2>&1

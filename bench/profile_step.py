@@ -261,8 +261,10 @@ def plain_run(llm, args, prompts) -> tuple[dict, int]:
     engine steps per request (spec-decode drafts; one per token without speculation)."""
     generate(llm, prompts[: args.batch_size], 16)  # warm-up
     if args.steady_requests:
-        # Joining steps' first-use costs too (session 13: the first of three steady
-        # passes was slower than the cProfiled one), as bench/run.py's steady warm-up.
+        # Joining steps' first-use costs too (the first of three steady passes was
+        # slower than the cProfiled one,
+        # bench/results/2026-11-30-steady-full-graphs-host-profile/),
+        # as bench/run.py's steady warm-up.
         run_cell_steady(llm, prompts[: STEADY_WARMUP_WAVES * args.batch_size],
                         args.batch_size, 0.0, max(8, args.max_tokens // 2), dummy=False)
     before = spec_counters(llm.get_metrics())

@@ -105,7 +105,7 @@ class BenchConfig:
 
 # Name suffixes that set an engine environment variable, so that two engines differing
 # only in it can be measured side by side (e.g. ddtree-b64-t512 ddtree-b64-t512+tritonlaunch;
-# the direct launcher is on by default since session 5, "+direct" names it explicitly).
+# the direct launcher is on by default, "+direct" names it explicitly).
 CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 "tritonlaunch": ("VLLM_DDTREE_DIRECT_LAUNCH", "0"),
                 # drafter logits and tree bounded by the step's budget (opt-in) ...
@@ -129,8 +129,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
 # largest size, mixed (prefilling) steps included; vLLM's default FULL_AND_PIECEWISE
 # replays mixed steps piecewise, launching each layer's attention from the host.
 # On FLASH_ATTN the series' patch 10 turns FULL into FULL_AND_PIECEWISE inside the
-# engine core (FA3's FULL graphs gave wrong tokens for prefills: session 14); the
-# engine row records the mode the front end asked for.
+# engine core (FA3's FULL graphs gave wrong tokens for prefills:
+# bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/graph-mode-outputs-pristine.json);
+# the engine row records the mode the front end asked for.
 # Flags that set the same argument merge ("+cgfull+cg1024").
 CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_ATTN"),)),
                        **{f"cg{n}": ("compilation_config", (("max_cudagraph_capture_size", n),))
@@ -177,7 +178,8 @@ def refuse_full_graphs_on_flash_attention(cfg: BenchConfig,
     if full_graphs_on_flash_attention(cfg, attention_backend):
         raise SystemExit(
             f"config {cfg.name}: cudagraph_mode FULL on FLASH_ATTN computes wrong tokens "
-            "for prefills on vLLM 0.26's V2 runner (docs/benchmarks.md, session 14), "
+            "for prefills on vLLM 0.26's V2 runner (docs/benchmarks.md, "
+            "bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/), "
             "and the series' patch 10 turns it into FULL_AND_PIECEWISE: no baseline. "
             "For a plain engine with FULL graphs add +tritonattn "
             "(e.g. no-spec+tritonattn+cgfull+cg1024).")
@@ -399,8 +401,8 @@ def greedy_exact(dtype: str, eager: bool) -> bool:
     then flip, for the DFlash chain as for DDTree (``ci-fp32-graphs.json``). vLLM's
     batch-invariant kernels do not make it exact either: a tree verification reads a
     node's ancestors from other KV slots than sequential decoding, so its attention
-    rounds differently (bf16, batch 1: the chain identical, DDTree not; session 5,
-    ``exact/``). There the match rate is reported, not gated."""
+    rounds differently (bf16, batch 1: the chain identical, DDTree not;
+    ``bench/results/exact/``). There the match rate is reported, not gated."""
     return eager and dtype in ("float32", "fp32")
 
 
@@ -724,9 +726,11 @@ def code_digest(root: str = ROOT) -> str:
 
 
 # A fixed pure-Python workload, timed before each engine: with the engine core's
-# steps bound by the host (session 13: the same code and configuration stepped
-# 1.35-1.66x faster on one GPU host than on another), tokens/s from two calls compare
-# two host CPUs as much as two engines. Its median time says how fast the host ran
+# steps bound by the host (the same code and configuration stepped
+# 1.35-1.66x faster on one GPU host than on another,
+# bench/results/2026-11-30-steady-full-graphs-host-profile/),
+# tokens/s from two calls compare two host CPUs as much as two engines. Its median time
+# says how fast the host ran
 # Python then; compare it before comparing numbers across calls.
 HOST_LOOP_REPEATS = 5
 HOST_LOOP_ITEMS = 200_000
@@ -748,8 +752,9 @@ def host_loop_ms(repeats: int = HOST_LOOP_REPEATS, items: int = HOST_LOOP_ITEMS)
 
 def timed_on_this_host(cell_runner, *args):
     """``cell_runner(*args)`` with the host's speed just before it in the summary
-    (``host_python_loop_ms``, :func:`host_loop_ms`): session 14 saw that loop take
-    24-50 ms within one call, so a run's tokens/s is read beside its host's pace."""
+    (``host_python_loop_ms``, :func:`host_loop_ms`): the loop took 24-50 ms within one
+    call (``bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/``),
+    so a run's tokens/s is read beside its host's pace."""
     loop_ms = host_loop_ms()
     outs, summary, counters = cell_runner(*args)
     summary["host_python_loop_ms"] = loop_ms
@@ -1103,8 +1108,9 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
             if args.cell_mode == "steady":
                 # Steady cells also run steps that prefill a joining request beside
                 # the running ones, token counts a wave never makes: without this,
-                # each cell's first repeat paid their first-use costs (session 13:
-                # the trees' second repeat was the faster one in 8 of 8 cells).
+                # each cell's first repeat paid their first-use costs (the trees' second
+                # repeat was the faster one in 8 of 8 cells,
+                # bench/results/2026-11-30-steady-full-graphs-host-profile/).
                 run_cell_steady(llm, cycled(first, STEADY_WARMUP_WAVES * batch), batch,
                                 temp, max(8, suite.max_tokens // 2), suite.dummy,
                                 args.output_lengths)

@@ -10,7 +10,7 @@ side of a ratio ran several engines, the range of the ratio over every pair of
 engines follows in brackets.
 
 Several results of one code tree (the same ``code_digest``, e.g. successive device
-calls of one session) are read as one: a configuration measured in one file can be
+calls on one code tree) are read as one: a configuration measured in one file can be
 compared with one measured in another. A cell measured in two of them is refused.
 Where the files ran on different hosts (their ``host`` records: CPU model, or the
 fixed Python loop's time more than 10 % apart) or do not say, a note heads the
@@ -88,7 +88,7 @@ def host_note(docs: list[dict], names: list[str]) -> str | None:
     hosts = [d.get("host") for d in docs]
     unknown = [n for n, h in zip(names, hosts) if not h]
     if unknown:
-        return (f"{', '.join(unknown)} record no host (before session 13): ratios between "
+        return (f"{', '.join(unknown)} record no host (made before bench/run.py recorded one): ratios between "
                 f"files may compare two GPU hosts' CPUs as well")
     models = {h.get("cpu_model") for h in hosts}
     loops = [h.get("python_loop_ms") or 0.0 for h in hosts]

@@ -78,7 +78,7 @@ def jit(fn: Callable[..., Any]) -> Any:
 
 # Our per-step kernels launch through the compiled kernel's launcher once Triton has
 # compiled them for a call's specialisation (:class:`DirectLauncher`); "0" keeps
-# Triton's own launch path. On by default since session 5: the fused-kernel GPU tests
+# Triton's own launch path. On by default: the fused-kernel GPU tests
 # pass through it (bench/results/gpu-direct-launch-tests.log) and engines with and
 # without it accept identically (bench/results/bench-direct-launch.json.gz).
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"

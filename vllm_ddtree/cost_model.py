@@ -28,8 +28,8 @@ only. With ``"auto"`` the engine measures it instead:
 No graph exists yet, so the forward runs eagerly, and an eager forward's wall time is
 the host's: launching an 8B target's kernels one by one took 12-18 ms on the H200
 at every token count, noisily, while the same forward replayed from a CUDA graph takes
-5.2 ms (session 9, ``bench/results/session9/``), and a knee read from wall times chose
-2 tokens per step. What a step pays after capture is the forward's kernels run back to
+5.2 ms (``bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/``), and a
+knee read from wall times chose 2 tokens per step. What a step pays after capture is the forward's kernels run back to
 back, so that is what is timed (:class:`QueuedKernelTimer`): a spin kernel holds the
 GPU while the host queues the whole forward behind it, and CUDA events time the
 kernels from the end of the spin to the end of the forward. The spin is 2.5x the

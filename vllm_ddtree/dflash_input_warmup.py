@@ -5,8 +5,8 @@ vLLM 0.26's ``prepare_dflash_inputs`` (``spec_decode/dflash/speculator.py``) lau
 target query of a request + num_query_per_req))``, a ``constexpr``: 32 for decode
 steps, 64 to 256 for steps that prefill a prompt. Triton compiles the kernel once per
 block size, and vLLM's start-up warm-up reaches only some of them, so the others
-compiled at the first requests of each prompt-length range (session 15's JIT check:
-block sizes 32 to 256 while serving), a latency spike for those requests.
+compiled at the first requests of each prompt-length range (block sizes 32 to 256
+while serving, ``bench/results/2026-11-30-steady-plain-chain-trees-both-orders/jit-during-serving-ddtree-b64-t512.json.gz``), a latency spike for those requests.
 
 :func:`warm_up_dflash_input_kernel` launches the kernel once per block size that a step
 can select, on a one-request batch whose target query is the shortest one that selects

@@ -5,8 +5,9 @@ vLLM's FlashAttention builder declares FA3's graph support ALWAYS: whole-forward
 0.26.0 that does not hold. With ``cudagraph_mode=FULL`` (graphs up to 1024 tokens)
 SmolLM2-135M in bf16 on an H200 generated other greedy tokens than eager execution
 from the first token on, for 3 of 4 prompts prefilled together, with the series not
-applied (``bench/results/session14/graph-mode-outputs-pristine.json``: "0, 736, 736,
-736, ..." where eager gives "281, 216, 34, ..."); with the series, plain decoding in
+applied
+(``bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/graph-mode-outputs-pristine.json``:
+"0, 736, 736, 736, ..." where eager gives "281, 216, 34, ..."); with the series, plain decoding in
 that mode differed from vLLM's default graphs from the first token in 16 of 16
 requests at 4 concurrent requests, and the DFlash chain in it accepted 0.4 % of its
 drafts (``bench-steady-b4-default-graph-reference.json.gz``). vLLM's default mode

@@ -2,9 +2,10 @@
 
 vLLM's JIT monitor names a kernel that compiles while serving, but cuts Triton's key
 short (``_safe_repr``, 120 characters), so two compilations of one kernel with the same
-``constexpr`` values (session 15: ``_prepare_dflash_inputs_kernel`` twice at
-``BLOCK_SIZE=64``) cannot be told apart. ``bench/check_jit_during_serving.py`` puts this
-folder first on the engine's ``PYTHONPATH`` with ``JITCHECK_KEYS=1``; Python then runs
+``constexpr`` values (``_prepare_dflash_inputs_kernel`` twice at ``BLOCK_SIZE=64``,
+``bench/results/2026-11-30-steady-plain-chain-trees-both-orders/jit-during-serving-ddtree-b64-t512.json.gz``)
+cannot be told apart. ``bench/check_jit_during_serving.py`` puts this folder first on the
+engine's ``PYTHONPATH`` with ``JITCHECK_KEYS=1``; Python then runs
 this file at start-up in every process of the engine, and it chains a Triton
 ``jit_post_compile_hook`` that prints one line per compilation::
 

@@ -933,8 +933,8 @@ def test_profile_step_refuses_a_steady_cell_no_larger_than_the_batch(tmp_path):
 def test_a_second_plain_engine_is_compared_with_the_first(tmp_path, monkeypatch):
     """The first plain (no speculation) engine of a cell is the greedy reference; a
     later plain engine (another backend or graph mode, e.g. ``no-spec+tritonattn``) is
-    compared with it like the speculative ones (session 14: FULL graphs on
-    FlashAttention gave other tokens from the first one on)."""
+    compared with it like the speculative ones (FULL graphs on FlashAttention gave other
+    tokens from the first one on: bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/)."""
     import json
     import types
 

@@ -48,7 +48,7 @@ def test_a_report_without_the_scheduler_is_refused(tmp_path, capsys):
     assert "cannot count the engine steps" in capsys.readouterr().err
 
 
-def test_the_committed_session3_profiles_compare(capsys):
+def test_the_committed_step_profiles_compare(capsys):
     prof = ROOT / "bench" / "results" / "profile"
     assert main([str(prof / "profile-no-spec-cprofile.txt"),
                  str(prof / "profile-ddtree-b32-cprofile.txt"), "--top", "3"]) == 0

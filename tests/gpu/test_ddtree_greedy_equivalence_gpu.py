@@ -110,7 +110,7 @@ def _num_gpus() -> int:
 def test_greedy_ddtree_with_tensor_parallelism_2(tmp_path):
     """TP=2 on the tiny random Qwen3 pair (SmolLM2's 9 heads do not split over 2 ranks):
     DDTree and the chain equal TP=2 without speculation, eager and with CUDA graphs.
-    Ranks that built different trees would diverge or hang. Session 5 on two H200s:
+    Ranks that built different trees would diverge or hang. On two H200s:
     eager identical (bench/results/gpu-equiv-tiny-tp2.log.gz)."""
     out = tmp_path / "equiv-tp2.json"
     proc = subprocess.run(

@@ -356,8 +356,8 @@ def test_a_failed_measurement_stops_the_start_naming_the_way_out(monkeypatch):
 
 
 def test_a_host_bound_eager_forward_does_not_hide_the_knee(monkeypatch):
-    # Session 9's 8B start: launching the eager forward took the host 12-18 ms at every
-    # count (noisily), its kernels 5 ms up to 128 tokens and more beyond. Wall times
+    # An 8B start on the H200 (bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/):
+    # launching the eager forward took the host 12-18 ms at every count (noisily), its kernels 5 ms up to 128 tokens and more beyond. Wall times
     # chose 2 tokens; the kernels' times choose 128.
     stream = _gpu(monkeypatch)
     host = iter([12.0, 18.0, 13.0, 17.0, 14.0, 16.0] * 100)

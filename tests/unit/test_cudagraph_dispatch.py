@@ -7,7 +7,7 @@ graphs for several query lengths (budget + 1 per batch-size range), at sizes rou
 to each length, so the nearest level often held only another length's decode
 graphs: a mixed step (a joining request's prompt beside the trees) then ran with no
 graph at all. On the H200 such steps cost 10-32 ms against 2-4 ms for a decode step
-(docs/benchmarks.md, session 10). Built on the CPU from the manager's own
+(bench/results/2026-11-30-steady-concurrency-cost8b-auto/). Built on the CPU from the manager's own
 candidate code; only the captured-graph lookup is exercised.
 """
 

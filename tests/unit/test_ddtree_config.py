@@ -166,8 +166,9 @@ def test_drafter_is_required(target_config):
 
 
 def test_ddtree_defaults_to_full_cuda_graphs_on_triton(model_dirs, target_config, monkeypatch):
-    """Steps that prefill a joining request replay one whole-forward graph (session 12:
-    their piecewise replay cost 7.6 ms of host launches against 2.1 ms)."""
+    """Steps that prefill a joining request replay one whole-forward graph (their
+    piecewise replay cost 7.6 ms of host launches against 2.1 ms:
+    bench/results/2026-11-30-steady-varied-lengths-full-graphs/)."""
     from vllm.config.compilation import CUDAGraphMode
 
     from vllm_ddtree.config import TREE_ATTENTION_ENV, ddtree_cudagraph_mode
@@ -343,7 +344,8 @@ def test_v1_runner_is_refused(target_config, spec32, monkeypatch):
 
 
 def test_jit_monitor_error_mode_is_refused_at_start_up(target_config, spec32, monkeypatch):
-    # vLLM's DFlash input kernel compiles while serving (session 15's JIT check): the
+    # vLLM's DFlash input kernel compiles while serving
+    # (bench/results/2026-11-30-steady-plain-chain-trees-both-orders/jit-during-serving-ddtree-b64-t512.json.gz): the
     # error mode would kill the engine at its first requests instead.
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     cfg = _engine_config(target_config, spec32,

@@ -2,8 +2,8 @@
 attention_flash-attn-no-full-graphs-for-prefills-on-v2, vllm_ddtree.flash_attn_graphs).
 
 On vLLM 0.26.0's V2 runner FA3's FULL graphs gave wrong tokens for prefills
-(bench/results/session14/graph-mode-outputs-pristine.json); the patched builder
-reports UNIFORM_BATCH there, so vLLM's own resolution turns FULL into
+(bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/graph-mode-outputs-pristine.json);
+the patched builder reports UNIFORM_BATCH there, so vLLM's own resolution turns FULL into
 FULL_AND_PIECEWISE. Needs the patched vLLM (``./apply.sh``); no GPU: on a CPU host
 vLLM computes FA's declared support as UNIFORM_BATCH (no FA3), so the tests set the
 declared value to FA3's ALWAYS themselves.
