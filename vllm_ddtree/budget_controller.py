@@ -226,8 +226,8 @@ class _Cell:
 class _Bucket:
     __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
                  "choice", "since_switch", "since_probe", "probe_interval", "probing",
-                 "probe_done", "probe_seen", "dirty", "steps", "switches", "probes",
-                 "estimate")
+                 "probe_done", "probe_requests", "probe_seen", "probe_up", "dirty",
+                 "steps", "switches", "probes", "estimate")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
@@ -240,8 +240,9 @@ class _Bucket:
         self.since_switch = min_hold  # the initial choice may change at once
         self.since_probe = 0
         self.probe_interval = probe_interval
-        self.probing = False
-        self.probe_done = self.probe_seen = 0
+        self.probing: int | None = None  # the budget being probed
+        self.probe_done = self.probe_requests = self.probe_seen = 0
+        self.probe_up = True  # direction of the next probe while drafting
         self.dirty = False
         self.steps = self.switches = self.probes = 0
         self.estimate: dict | None = None
@@ -274,8 +275,10 @@ class BudgetController:
         min_hold_steps: int = 32,
         probe_budget: int = 4,
         probe_steps: int = 8,
+        probe_requests: int = 64,
         probe_interval_min: int = 32,
         probe_interval_max: int = 1024,
+        probe_when_drafting: bool = True,
     ) -> None:
         if max_budget < 1 or max_depth < 1 or max_batch_size < 1:
             raise ValueError("max_budget, max_depth and max_batch_size must be >= 1")
@@ -311,6 +314,8 @@ class BudgetController:
         drafting = [b for b in lv if b > 0]
         self.probe_budget = max([b for b in drafting if b <= probe_budget] or [drafting[0]])
         self.probe_steps = int(probe_steps)
+        self.probe_requests = int(probe_requests)
+        self.probe_when_drafting = bool(probe_when_drafting)
         self.probe_interval_min = int(probe_interval_min)
         self.probe_interval_max = int(probe_interval_max)
         self._step = 0
@@ -336,6 +341,11 @@ class BudgetController:
     def budget_for(self, batch_size: int) -> int:
         """The budget to verify at ``batch_size`` (a list lookup)."""
         return self._table[self.bucket_of(batch_size)]
+
+    def choice_for(self, batch_size: int) -> int:
+        """The budget chosen for ``batch_size``'s bucket: :meth:`budget_for` except
+        while a probe verifies another budget for a few steps."""
+        return self._buckets[self.bucket_of(batch_size)].choice
 
     def budget_table(self, max_batch: int | None = None) -> list[int]:
         """Budget by batch size, index = batch size (index 0 unused, 0): the layout of
@@ -378,13 +388,19 @@ class BudgetController:
         bk.since_switch += 1
         bk.dirty = True
         changed = False
-        if bk.probing:
+        if bk.probing is not None:
+            # Statistics lag: count only the steps that verified the probed budget; a
+            # probe that sees too few of them (the table was overridden) is ended.
             bk.probe_seen += 1
-            if b == self.probe_budget:
+            if b == bk.probing:
                 bk.probe_done += 1
-            if bk.probe_done >= self.probe_steps or bk.probe_seen >= 3 * self.probe_steps:
+                bk.probe_requests += hits[0] if hits is not None else 0
+            enough = bk.probe_done >= self.probe_steps and (
+                bk.probing == 0 or bk.probe_requests >= self.probe_requests)
+            if enough or bk.probe_seen >= 3 * max(self.probe_steps,
+                                                   -(-self.probe_requests // n)):
                 changed |= self._end_probe(i)
-        elif bk.choice == 0:
+        else:
             bk.since_probe += 1
         if now % self.refresh_steps == 0:
             for j, other in enumerate(self._buckets):
@@ -435,41 +451,61 @@ class BudgetController:
         bk = self._buckets[i]
         bk.dirty = False
         est = bk.estimate = self._estimate(i)
-        if bk.probing:
+        if bk.probing is not None:
             return False
         scores, best, cur = est["scores"], est["best"], bk.choice
-        ci = self._index[cur]
-        if cur == 0 and bk.since_probe >= bk.probe_interval:
-            bk.probing, bk.probe_done, bk.probe_seen = True, 0, 0
-            bk.probes += 1
-            return self._set(i, self.probe_budget)
+        if bk.since_switch >= self.min_hold and bk.since_probe >= bk.probe_interval:
+            target = self._probe_target(bk)
+            if target is not None:
+                bk.probing, bk.probe_done, bk.probe_requests, bk.probe_seen = target, 0, 0, 0
+                bk.probes += 1
+                return self._set(i, target)
         if best != cur and bk.since_switch >= self.min_hold and \
-                scores[self._index[best]] > (1.0 + self.margin) * scores[ci]:
+                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
             self._switch(bk, best)
             return self._set(i, best)
         return False
 
+    def _probe_target(self, bk: _Bucket) -> int | None:
+        """The budget to probe: ``probe_budget`` when off; while drafting, the next
+        allowed level above and below the choice in turn (None: no probe)."""
+        allowed = [b for b, ok in zip(self.levels, self._allowed(bk)) if ok]
+        if bk.choice == 0:
+            return self.probe_budget if self.probe_budget in allowed else (
+                min((b for b in allowed if b > 0), default=None))
+        if not self.probe_when_drafting:
+            return None
+        up = [b for b in allowed if b > bk.choice]
+        down = [b for b in allowed if b < bk.choice]
+        order = [min(up) if up else None, max(down) if down else None]
+        if not bk.probe_up:
+            order.reverse()
+        bk.probe_up = not bk.probe_up
+        return order[0] if order[0] is not None else order[1]
+
     def _end_probe(self, i: int) -> bool:
+        """A probe's data is in: switch if the bucket's best now beats its choice by
+        the margin (the probe interval starts again from its minimum), else double
+        the interval and go back to the choice."""
         bk = self._buckets[i]
-        bk.probing = False
+        bk.probing = None
         bk.dirty = False
+        bk.since_probe = 0
         est = bk.estimate = self._estimate(i)
-        scores, best = est["scores"], est["best"]
-        if best != 0 and scores[self._index[best]] > (1.0 + self.margin) * scores[0]:
+        scores, best, cur = est["scores"], est["best"], bk.choice
+        if best != cur and \
+                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
             self._switch(bk, best)
-            bk.probe_interval = self.probe_interval_min
             return self._set(i, best)
         bk.probe_interval = min(2 * bk.probe_interval, self.probe_interval_max)
-        bk.since_probe = 0
-        return self._set(i, 0)
+        return self._set(i, cur)
 
     def _switch(self, bk: _Bucket, budget: int) -> None:
         bk.choice = budget
         bk.since_switch = 0
+        bk.since_probe = 0
         bk.switches += 1
-        if budget == 0:
-            bk.since_probe = 0
-            bk.probe_interval = self.probe_interval_min
+        bk.probe_interval = self.probe_interval_min
 
     def _set(self, i: int, budget: int) -> bool:
         if self._table[i] == budget:
@@ -585,7 +621,7 @@ class BudgetController:
             out["buckets"][f"{bk.lo}-{bk.hi}"] = {
                 "budget": self._table[i],
                 "choice": bk.choice,
-                "probing": bk.probing,
+                "probing": bk.probing is not None,
                 "probe_interval": bk.probe_interval,
                 "steps": bk.steps,
                 "switches": bk.switches,
