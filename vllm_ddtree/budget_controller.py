@@ -89,6 +89,8 @@ Curve = Union[float, int, Mapping[int, float], Callable[[int], float]]
 # A cell's decayed weight below this does not count as a measurement for the shape
 # (slow) ratios, nor as an anchor for inference.
 MIN_WEIGHT = 1.0
+# How far the measured shape E(b) / E(a) may stray from the prior's ratio.
+SHAPE_CLIP = 2.0
 
 
 def interpolate(points: Mapping[int, float], x: float) -> float:
@@ -270,6 +272,7 @@ class BudgetController:
         half_life_steps: float = 64.0,
         shape_half_life_steps: float = 2048.0,
         prior_weight: float = 4.0,
+        inference_weight: float = 0.25,
         refresh_steps: int = 16,
         margin: float = 0.05,
         min_hold_steps: int = 32,
@@ -308,6 +311,7 @@ class BudgetController:
         self.half_life = float(half_life_steps)
         self.shape_half_life = float(shape_half_life_steps)
         self.prior_weight = float(prior_weight)
+        self.inference_weight = float(inference_weight)
         self.refresh_steps = int(refresh_steps)
         self.margin = float(margin)
         self.min_hold = int(min_hold_steps)
@@ -530,9 +534,13 @@ class BudgetController:
             return None
 
         def ratio(i: int, j: int) -> float:
+            base = prior[i] / prior[j] if prior[j] > 0 else 1.0
             if sw[i] >= MIN_WEIGHT and sw[j] >= MIN_WEIGHT and sm[j] > 0:
-                return sm[i] / sm[j]
-            return prior[i] / prior[j] if prior[j] > 0 else 1.0
+                # Slow means of two budgets may come from different periods (one
+                # measured before a change, one after): keep their ratio within
+                # SHAPE_CLIP of the prior's.
+                return min(max(sm[i] / sm[j], base / SHAPE_CLIP), base * SHAPE_CLIP)
+            return base
 
         values, weights = [], []
         for i in range(len(cells)):
@@ -541,6 +549,8 @@ class BudgetController:
             if others:
                 total = sum(fw[j] for j in others)
                 inferred = sum(fw[j] * fm[j] * ratio(i, j) for j in others) / total
+                # What the others imply weighs a share of their own fresh weight.
+                k = max(self.prior_weight, self.inference_weight * total)
             if fw[i] > 0 and inferred is not None:
                 values.append((fw[i] * fm[i] + k * inferred) / (fw[i] + k))
                 weights.append(fw[i] + k)
