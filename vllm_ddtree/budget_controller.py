@@ -272,7 +272,7 @@ class BudgetController:
         half_life_steps: float = 64.0,
         shape_half_life_steps: float = 2048.0,
         prior_weight: float = 4.0,
-        inference_weight: float = 0.25,
+        inference_weight: float = 0.1,
         refresh_steps: int = 16,
         margin: float = 0.05,
         min_hold_steps: int = 32,
@@ -458,6 +458,8 @@ class BudgetController:
         if bk.probing is not None:
             return False
         scores, best, cur = est["scores"], est["best"], bk.choice
+        if cur == 0:  # on again only on measured evidence
+            scores, best = est["scores_lower"], est["best_lower"]
         if bk.since_switch >= self.min_hold and bk.since_probe >= bk.probe_interval:
             target = self._probe_target(bk)
             if target is not None:
@@ -497,6 +499,8 @@ class BudgetController:
         bk.since_probe = 0
         est = bk.estimate = self._estimate(i)
         scores, best, cur = est["scores"], est["best"], bk.choice
+        if cur == 0:  # on again only on measured evidence
+            scores, best = est["scores_lower"], est["best_lower"]
         if best != cur and \
                 scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
             self._switch(bk, best)
@@ -519,11 +523,12 @@ class BudgetController:
 
     # -------------------------------------------------------------- estimating
 
-    def _infer(self, cells: list[_Cell], prior: list[float]) -> tuple[list[float], list[float]] | None:
+    def _infer(self, cells: list[_Cell], prior: list[float],
+               monotone: bool = False) -> tuple[list[float], list[float]] | None:
         """Per-level values (and weights) from a bucket's cells: each level's fast mean
         shrunk toward what the other recently measured levels imply (their fast mean
         times the slow ratio, or the prior's); None without any data."""
-        now, k = self._step, self.prior_weight
+        now = self._step
         fw, sw = zip(*(c.weights(now, self.half_life, self.shape_half_life) for c in cells))
         fm = [c.fast_mean() for c in cells]
         sm = [c.slow_mean() for c in cells]
@@ -539,13 +544,18 @@ class BudgetController:
                 # Slow means of two budgets may come from different periods (one
                 # measured before a change, one after): keep their ratio within
                 # SHAPE_CLIP of the prior's.
-                return min(max(sm[i] / sm[j], base / SHAPE_CLIP), base * SHAPE_CLIP)
+                r = min(max(sm[i] / sm[j], base / SHAPE_CLIP), base * SHAPE_CLIP)
+                # Monotone callers (acceptance) also never infer a larger budget below
+                # a smaller one.
+                if monotone:
+                    r = max(r, 1.0) if i > j else min(r, 1.0) if i < j else r
+                return r
             return base
 
         values, weights = [], []
         for i in range(len(cells)):
             others = [j for j in anchors if j != i]
-            inferred = None
+            inferred, k = None, self.prior_weight
             if others:
                 total = sum(fw[j] for j in others)
                 inferred = sum(fw[j] * fm[j] * ratio(i, j) for j in others) / total
@@ -553,13 +563,14 @@ class BudgetController:
                 k = max(self.prior_weight, self.inference_weight * total)
             if fw[i] > 0 and inferred is not None:
                 values.append((fw[i] * fm[i] + k * inferred) / (fw[i] + k))
-                weights.append(fw[i] + k)
+                # In the isotonic fit an inference weighs no more than the prior.
+                weights.append(fw[i] + self.prior_weight)
             elif fw[i] > 0:
                 values.append(fm[i])
                 weights.append(fw[i])
             else:
                 values.append(inferred)
-                weights.append(k)
+                weights.append(self.prior_weight)
         return values, weights
 
     def _nearest(self, i: int, get) -> tuple[list[float], list[float]] | None:
@@ -586,7 +597,7 @@ class BudgetController:
         n_int = min(max(int(round(n_rep)), bk.lo), bk.hi)
         # Acceptance, budgets > 0 (index 0 of the cells is budget 0, unused).
         prior = [0.0] + [max(0.0, _curve(self.prior_accepted, b)) for b in lv[1:]]
-        found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:]))
+        found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:], True))
         if found is None:
             acc_v, acc_w = prior[1:], [self.prior_weight] * (len(lv) - 1)
         else:
@@ -599,15 +610,32 @@ class BudgetController:
         corr, corr_w = found if found is not None else ([1.0] * len(lv),
                                                         [self.prior_weight] * len(lv))
         step_ms = isotonic_non_decreasing([m * c for m, c in zip(model, corr)], corr_w)
+        # A lower bound for turning drafting on: a budget accepts at least what the
+        # largest smaller budget measured recently did (its raw fast mean), nothing
+        # inferred. Extrapolating a short probe of a small tree to large ones would
+        # turn drafting on from noise.
+        lower, run = [0.0], 0.0
+        for b, cell in zip(lv[1:], bk.acc[1:]):
+            fw, _ = cell.weights(self._step, self.half_life, self.shape_half_life)
+            if fw >= MIN_WEIGHT:
+                run = max(run, cell.fast_mean())
+            lower.append(min(run, float(min(b, self.max_depth))))
         allowed = self._allowed(bk)
-        scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
-                  for a, t, ok in zip(acc, step_ms, allowed)]
-        best = 0
-        for j in range(1, len(lv)):
-            if scores[j] > scores[best]:
-                best = j
+
+        def rank(accepted: list[float]) -> tuple[list[float], int]:
+            scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
+                      for a, t, ok in zip(accepted, step_ms, allowed)]
+            best = 0
+            for j in range(1, len(lv)):
+                if scores[j] > scores[best]:
+                    best = j
+            return scores, lv[best]
+
+        scores, best = rank(acc)
+        scores_lower, best_lower = rank(lower)
         return {"batch": n_rep, "accepted": acc, "step_ms": step_ms,
-                "scores": scores, "best": lv[best]}
+                "scores": scores, "best": best, "accepted_lower": lower,
+                "scores_lower": scores_lower, "best_lower": best_lower}
 
     # ----------------------------------------------------------------- metrics
 
