@@ -1,0 +1,375 @@
+"""The online tree-budget controller (vllm_ddtree.budget_controller) on synthetic traces.
+
+A synthetic engine: each request's accepted depth is the number of consecutive hits
+(probability ``q[b]`` each) down a tree of budget ``b``, at most ``min(b, D)``, so the
+expected accepted length is ``sum_{d=1..min(b,D)} q[b]^d``; a step costs
+``true_cost(batch, budget)`` ms, with multiplicative noise where a test says so. The
+controller is fed each step's statistics one step late, as the engine would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from vllm_ddtree.budget_controller import (
+    BudgetController,
+    StartupCost,
+    StepStats,
+    interpolate,
+    isotonic_non_decreasing,
+)
+
+D = 8
+LEVELS = [0, 1, 2, 4, 8, 16, 32, 64]
+# Per-depth hit probability of the best-first tree of each budget (rises with b).
+Q = {1: 0.45, 2: 0.55, 4: 0.63, 8: 0.70, 16: 0.75, 32: 0.78, 64: 0.80}
+
+
+def expected_accepted(b: int, quality: float = 1.0) -> float:
+    if b == 0:
+        return 0.0
+    q = Q[b] * quality
+    return sum(q ** d for d in range(1, min(b, D) + 1))
+
+
+def forward_ms(tokens: int) -> float:
+    """Flat to a knee at 128 verified tokens, then linear."""
+    return 3.0 + 0.02 * max(0, tokens - 128)
+
+
+TRUE_COST = StartupCost(target_forward_ms=forward_ms, drafter_ms=lambda n: 0.6 + 0.01 * n,
+                        context_store_ms=0.2, tree_ms_per_step=0.3, tree_ms_per_node=0.001,
+                        host_ms=2.0)
+
+
+def tokens_per_s(n: int, b: int, cost=TRUE_COST, quality: float = 1.0) -> float:
+    return n * (expected_accepted(b, quality) + 1) * 1e3 / cost(n, b)
+
+
+def analytic_best(n: int, cost=TRUE_COST, quality: float = 1.0) -> int:
+    return max(LEVELS, key=lambda b: tokens_per_s(n, b, cost, quality))
+
+
+class Engine:
+    """Feeds a controller the way the engine would: the budget for step t is read
+    from the table, and step t's statistics arrive after step t + 1 was decided."""
+
+    def __init__(self, ctl: BudgetController, seed: int = 0, cost=TRUE_COST,
+                 noise: float = 0.0, per_depth_hits: bool = False) -> None:
+        self.ctl, self.cost, self.noise = ctl, cost, noise
+        self.rng = random.Random(seed)
+        self.pending: StepStats | None = None
+        self.per_depth_hits = per_depth_hits
+        self.trace: list[tuple[int, int]] = []  # (batch, budget) per step
+        self.choices: list[int] = []  # the held choice per step (budget but for probes)
+        self.fed: list[StepStats] = []
+
+    def depth(self, b: int, quality: float) -> int:
+        q, d = Q[b] * quality, 0
+        while d < min(b, D) and self.rng.random() < q:
+            d += 1
+        return d
+
+    def step(self, n: int, quality: float = 1.0) -> int:
+        b = self.ctl.budget_for(n)
+        depths = [self.depth(b, quality) for _ in range(n)] if b else []
+        ms = self.cost(n, b)
+        if self.noise:
+            ms *= 1.0 + self.noise * (2 * self.rng.random() - 1)
+        if self.per_depth_hits and b:
+            hits = [sum(1 for d in depths if d >= k) for k in range(min(b, D) + 1)]
+            stats = StepStats(n, b, ms, depth_hits=hits)
+        else:
+            stats = StepStats(n, b, ms, accepted_depths=depths if b else None)
+        if self.pending is not None:
+            self.ctl.observe(self.pending)
+            self.fed.append(self.pending)
+        self.pending = stats
+        self.trace.append((n, b))
+        self.choices.append(self.ctl.choice_for(n))
+        return b
+
+    def run(self, steps: int, n: int, quality: float = 1.0) -> list[int]:
+        """The budgets used (probes included); ``choices`` has the held ones."""
+        return [self.step(n, quality) for _ in range(steps)]
+
+    def run_choices(self, steps: int, n: int, quality: float = 1.0) -> list[int]:
+        self.run(steps, n, quality)
+        return self.choices[-steps:]
+
+
+def controller(cost=TRUE_COST, **kw) -> BudgetController:
+    kw.setdefault("max_batch_size", 256)
+    return BudgetController(64, D, cost, **kw)
+
+
+def changes(budgets: list[int]) -> int:
+    return sum(1 for a, b in zip(budgets, budgets[1:]) if a != b)
+
+
+# ------------------------------------------------------------------ 1. optimum
+
+
+@pytest.mark.parametrize("n, startup_scale", [(8, 1.0), (8, 0.6), (4, 1.0), (16, 0.6)])
+def test_finds_the_analytic_optimum(n, startup_scale):
+    # The optimum is inside the range and beats both neighbours by more than the
+    # margin, so hysteresis cannot excuse a neighbour.
+    best = analytic_best(n)
+    assert 0 < best < 64
+    scores = sorted((tokens_per_s(n, b) for b in LEVELS), reverse=True)
+    assert scores[0] > 1.05 * scores[1]
+    # A start-up model that underestimates every step (the host's share unknown):
+    # the measured correction must fix it.
+    startup = StartupCost(target_forward_ms=lambda t: startup_scale * forward_ms(t),
+                          drafter_ms=lambda n: startup_scale * (0.6 + 0.01 * n),
+                          context_store_ms=0.2 * startup_scale,
+                          tree_ms_per_step=0.3 * startup_scale,
+                          tree_ms_per_node=0.001 * startup_scale, host_ms=2.0 * startup_scale)
+    eng = Engine(controller(startup), seed=n)
+    budgets = eng.run(3000, n)
+    # It got there and stayed: the last 2000 steps chose the optimum, and probes of
+    # the neighbours took under 3 % of them.
+    assert set(eng.choices[1000:]) == {best}
+    assert sum(1 for b in budgets[1000:] if b != best) <= 0.03 * 2000
+
+
+def test_a_wrong_prior_shape_is_corrected_by_measurement():
+    # The prior says acceptance is flat in the budget (so small trees look best); the
+    # measured curve is the synthetic one.
+    eng = Engine(controller(prior_accepted=lambda b: 0.5), seed=3)
+    choices = eng.run_choices(4000, 8)
+    assert set(choices[2000:]) == {analytic_best(8)}
+    # Without probes while drafting, nothing would correct it: the flat prior makes
+    # budget 1 look best and no other budget is ever measured.
+    eng = Engine(controller(prior_accepted=lambda b: 0.5, probe_when_drafting=False), seed=3)
+    assert set(eng.run_choices(4000, 8)[2000:]) == {1}
+
+
+# ----------------------------------------------------------- 2. switching off
+
+
+def test_switches_off_when_acceptance_collapses_within_bound():
+    ctl = controller()
+    eng = Engine(ctl, seed=1)
+    eng.run(1500, 2)
+    assert ctl.budget_for(2) == analytic_best(2) > 0
+    # The drafter becomes useless (e.g. a new kind of prompt): drafting loses.
+    assert analytic_best(2, quality=0.05) == 0
+    budgets = eng.run_choices(2000, 2, quality=0.05)
+    first_off = budgets.index(0)
+    # Bound: the fast estimate loses half the old acceptance every half-life (64
+    # steps); from 3.3 to the break-even (~0.1-0.2 here) takes at most 5-6 of them,
+    # then a hold (32) and refresh periods (16).
+    assert first_off <= 6 * 64 + 32 + 2 * 16
+    # And it stays off; probing steps are a small share.
+    assert set(budgets[first_off:]) == {0}
+    used = [b for _, b in eng.trace[-2000 + first_off:]]
+    assert sum(1 for b in used if b) <= 0.15 * len(used)
+    assert ctl.state()["buckets"]["2-3"]["choice"] == 0
+
+
+def test_probes_back_off_while_acceptance_stays_bad():
+    ctl = controller()
+    eng = Engine(ctl, seed=2)
+    eng.run(1000, 1)
+    budgets = eng.run(6000, 1, quality=0.0)
+    first_off = budgets.index(0)
+    tail = budgets[first_off:]
+    starts = [i for i in range(1, len(tail)) if tail[i] and not tail[i - 1]]
+    assert len(starts) >= 4
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    # Intervals double (within a refresh period and the probe itself) up to the cap.
+    assert all(g2 >= g1 - 16 for g1, g2 in zip(gaps, gaps[1:]))
+    assert gaps[-1] > 2 * gaps[0]
+    # (a probe at batch 1 lasts 64 steps: probe_requests = 64)
+    assert max(gaps) <= 1024 + 64 + 2 * 16
+    # Probes are at the probe budget, and cost little once backed off.
+    assert {b for b in tail if b} == {4}
+    # At batch 1 a probe lasts 64 steps (probe_requests = 64), once per 1024 + 64.
+    late = tail[len(tail) // 2:]
+    assert sum(1 for b in late if b) <= 64 / 1024 * len(late)
+
+
+# ------------------------------------------------------------- 3. coming back
+
+
+@pytest.mark.parametrize("off_steps", [600, 5000])
+def test_comes_back_on_when_acceptance_recovers(off_steps):
+    ctl = controller()
+    eng = Engine(ctl, seed=4)
+    eng.run(1000, 4)
+    eng.run(off_steps, 4, quality=0.0)
+    assert ctl.budget_for(4) == 0 or ctl.state()["buckets"]["4-7"]["probing"]
+    budgets = eng.run_choices(3000, 4)
+    # On for good (drafting chosen at every later step) within the largest probe
+    # interval, the probe itself (16 steps of batch 4 for 64 requests) and a few
+    # refresh periods.
+    back = next(i for i in range(len(budgets)) if all(budgets[i:]))
+    assert back <= 1024 + 16 + 3 * 16
+    # And it finds the optimum again, not just the probe budget.
+    assert set(budgets[-500:]) == {analytic_best(4)}
+
+
+# -------------------------------------------------------------- 4. no oscillation
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_no_oscillation_on_a_stationary_noisy_trace(seed):
+    ctl = controller()
+    # 20 % step-time noise, sampled acceptance, batch 8: the optimum (16) beats its
+    # neighbours by 11 %; each step is one noisy sample.
+    eng = Engine(ctl, seed=seed, noise=0.2)
+    used = eng.run(6000, 8)
+    budgets = eng.choices
+    assert changes(budgets) <= 6
+    assert changes(budgets[1000:]) == 0
+    assert budgets[-1] == analytic_best(8)
+    # Probes are short and rare: the used budget is the choice 97 % of the time.
+    assert sum(1 for u, c in zip(used[1000:], budgets[1000:]) if u != c) <= 0.03 * 5000
+    # Changes respect the hold: never two within min_hold steps.
+    idx = [i for i in range(1, len(budgets)) if budgets[i] != budgets[i - 1]]
+    assert all(b - a >= 32 for a, b in zip(idx, idx[1:]))
+
+
+def test_an_exact_tie_does_not_flap():
+    # Budgets 16 and 32 give exactly the same tokens/s (32's step costs what its
+    # extra acceptance earns): noise alone decides, and the margin must hold a choice.
+    def cost(n, b):
+        return 5.0 * (expected_accepted(b) + 1) / (expected_accepted(16) + 1) if b else 4.0
+
+    ctl = BudgetController(64, D, cost, max_batch_size=16, levels=[16, 32])
+    eng = Engine(ctl, seed=9, cost=cost, noise=0.3)
+    choices = eng.run_choices(5000, 1)
+    assert set(choices) <= {16, 32}
+    assert changes(choices) <= 2
+
+
+# --------------------------------------------------------- 5. per batch bucket
+
+
+def test_large_batches_off_while_small_ones_draft():
+    ctl = controller()
+    assert analytic_best(1) > 0 and analytic_best(128, quality=0.6) == 0
+    eng = Engine(ctl, seed=8)
+    # Traffic alternates between quiet (batch 1) and loaded (batch 128) periods;
+    # acceptance is lower under load (other prompts).
+    for _ in range(6):
+        eng.run(400, 1)
+        eng.run(400, 128, quality=0.6)
+    assert ctl.budget_for(1) == analytic_best(1)
+    assert ctl.budget_for(128) == 0
+    st = ctl.state()["buckets"]
+    assert st["1-1"]["budget"] > 0 and st["128-255"]["choice"] == 0
+    table = ctl.budget_table(200)
+    assert table[1] == analytic_best(1) and table[130] == 0 and table[0] == 0
+
+
+# ------------------------------------------------------------ 6. determinism
+
+
+def test_two_instances_fed_the_same_trace_decide_identically():
+    src = Engine(controller(), seed=11, noise=0.2)
+    for phase, (n, q) in enumerate([(1, 1.0), (8, 1.0), (3, 0.1), (64, 1.0), (3, 1.0)] * 2):
+        src.run(300, n, q)
+    trace = src.fed
+    a, b = controller(), controller()
+    tables_a, tables_b = [], []
+    for stats in trace:
+        a.observe(stats)
+        b.observe(stats)
+        tables_a.append(tuple(a._table))
+        tables_b.append(tuple(b._table))
+    assert tables_a == tables_b
+    assert json.dumps(a.state(), sort_keys=True) == json.dumps(b.state(), sort_keys=True)
+    # The decisions do depend on the inputs: the same trace with collapsed
+    # acceptance ends elsewhere.
+    c = controller()
+    for stats in trace:
+        if stats.budget:
+            stats = StepStats(stats.batch_size, stats.budget, stats.step_ms,
+                              accepted_depths=[0] * stats.batch_size)
+        c.observe(stats)
+    assert [c.budget_for(n) for n in (1, 3, 8)] != [a.budget_for(n) for n in (1, 3, 8)]
+    assert len(set(tables_a)) > 3
+
+
+def test_depth_hits_and_accepted_depths_give_the_same_decisions():
+    runs = []
+    for per_depth in (False, True):
+        eng = Engine(controller(), seed=12, per_depth_hits=per_depth)
+        eng.run(800, 8)
+        eng.run(800, 2, quality=0.1)
+        runs.append((eng.trace, json.dumps(eng.ctl.state(), sort_keys=True)))
+    assert runs[0] == runs[1]
+
+
+# -------------------------------------------------------------- the pieces
+
+
+def test_estimates_are_monotone_and_capped():
+    ctl = controller()
+    eng = Engine(ctl, seed=13)
+    eng.run(2000, 8)
+    bucket = ctl.state()["buckets"]["8-15"]
+    acc = [bucket["accepted"][str(b)] for b in LEVELS]
+    assert acc == sorted(acc) and acc[0] == 0
+    assert all(a <= min(b, D) for a, b in zip(acc, LEVELS))
+    ms = [bucket["step_ms"][str(b)] for b in LEVELS]
+    assert ms == sorted(ms)
+    # The measured budget's estimate is close to the truth.
+    b = bucket["budget"]
+    assert bucket["accepted"][str(b)] == pytest.approx(expected_accepted(b), rel=0.15)
+    assert bucket["step_ms"][str(b)] == pytest.approx(TRUE_COST(8, b), rel=0.05)
+    rates = bucket["depth_hit_rate"][str(b)]
+    assert rates == sorted(rates, reverse=True) and len(rates) == min(b, D)
+    assert rates[0] == pytest.approx(Q[b], abs=0.08)
+    line = ctl.log_line()
+    assert line.startswith("ddtree budget: ") and f"8-15: {b} " in line
+
+
+def test_max_verified_tokens_excludes_trees_that_do_not_fit():
+    ctl = controller(max_verified_tokens=128)
+    eng = Engine(ctl, seed=14)
+    budgets = eng.run(1500, 8)
+    # 15 (the bucket's largest batch) x (b + 1) <= 128 allows b <= 7: at most 4,
+    # probes included.
+    assert max(budgets) <= 4 and eng.choices[-1] == 4
+
+
+def test_isotonic_fit():
+    assert isotonic_non_decreasing([1, 3, 2, 4], [1, 1, 1, 1]) == [1, 2.5, 2.5, 4]
+    assert isotonic_non_decreasing([5, 1], [3, 1]) == [4, 4]
+    assert isotonic_non_decreasing([1, 2, 3], [1, 1, 1]) == [1, 2, 3]
+
+
+def test_interpolate_and_startup_cost():
+    pts = {1: 4.0, 128: 4.0, 256: 6.0}
+    assert interpolate(pts, 64) == 4.0
+    assert interpolate(pts, 192) == 5.0
+    assert interpolate(pts, 512) == 10.0  # the last segment's slope
+    assert interpolate(pts, 0) == 4.0
+    cost = StartupCost(target_forward_ms=pts, drafter_ms={1: 1.0, 64: 2.0},
+                       context_store_ms=0.25, tree_ms_per_step=0.5,
+                       tree_ms_per_node=0.01, host_ms=1.0)
+    assert cost(1, 0) == pytest.approx(1.0 + 4.0 + 0.25)
+    assert cost(2, 127) == pytest.approx(1.0 + 6.0 + interpolate({1: 1.0, 64: 2.0}, 2)
+                                         + 0.5 + 0.01 * 2 * 127)
+
+
+@pytest.mark.parametrize("stats, message", [
+    (StepStats(0, 4, 1.0), "batch_size"),
+    (StepStats(1, 3, 1.0), "not one of the levels"),
+    (StepStats(1, 4, 0.0), "step_ms"),
+    (StepStats(1, 4, float("nan")), "step_ms"),
+    (StepStats(1, 2, 1.0, accepted_depths=[3]), "outside"),
+    (StepStats(2, 4, 1.0, depth_hits=[2, 1, 2]), "non-increasing"),
+    (StepStats(1, 0, 1.0, accepted_depths=[0]), "no acceptance"),
+    (StepStats(1, 4, 1.0, accepted_depths=[1, 1]), "batch of 1"),
+    (StepStats(1, 4, 1.0, accepted_depths=[1], depth_hits=[1, 1]), "not both"),
+])
+def test_bad_statistics_are_refused(stats, message):
+    with pytest.raises(ValueError, match=message):
+        controller().observe(stats)

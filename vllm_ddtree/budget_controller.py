@@ -1,0 +1,691 @@
+"""Online tree-budget controller: each step's budget from measured acceptance and cost.
+
+Not wired into the engine yet (docs/operations.md, "The online budget controller").
+
+The batch-aware budget of :mod:`vllm_ddtree.budget` is fixed at start-up: a table
+from batch size to tree budget, chosen from the target's forward alone. What a tree
+earns depends on the traffic (how often the drafter is right) and what it costs on
+the whole step (host work, the drafter, the tree kernels), so a fixed table can be
+slower than plain decoding. :class:`BudgetController` chooses, per batch-size bucket,
+the budget ``b`` among ``{0, 1, 2, 4, ..., B}`` (``0``: no drafting) that maximises
+expected output tokens per second::
+
+    tokens/s(b) = batch * (E[accepted | b] + 1) / step_ms(b)      (b > 0)
+    tokens/s(0) = batch / step_ms(0)                              (plain decoding)
+
+**What it is fed.** :meth:`BudgetController.observe` takes one :class:`StepStats` per
+engine step, lagging by any number of steps (the engine copies small host arrays
+asynchronously and hands them over when they arrive; the controller never waits):
+the batch size, the budget the step verified, each tree-verifying request's accepted
+depth (or per-depth hit counts), and the step's wall time.
+
+**Acceptance model.** Per bucket (batch sizes 1, 2-3, 4-7, ... up to
+``max_batch_size``) and budget, decayed sums of accepted depth and per-depth hits,
+weighted by requests. Two decay rates: a fast one (``half_life_steps``, 64 by
+default) gives the *level* a budget reaches now; a slow one
+(``shape_half_life_steps``, 2048) keeps the *shape* of the curve (how budget ``b``
+compares with budget ``a``), which changes with the drafter more than with the
+traffic. A budget not recently used is inferred from those that were: the fast mean of
+each recently measured budget ``a`` times the slow ratio ``E(b) / E(a)`` (the prior's
+ratio ``prior(b) / prior(a)`` where the slow statistics lack either), averaged with the
+fast weights (ratios kept within ``SHAPE_CLIP`` of the prior's, since two slow means
+may come from different periods); a measured budget is shrunk toward that inference,
+which weighs ``inference_weight`` (0.1) of the other budgets' fresh weight (at least
+``prior_weight`` = 4 requests), so a stale measurement fades into what the fresh ones
+imply. Because a best-first tree of ``b`` nodes contains the tree of ``b / 2``,
+the estimates are then made non-decreasing in ``b`` (weighted isotonic regression)
+and capped at ``min(b, max_depth)``. A bucket with no data borrows the nearest
+bucket's estimates, else the prior (``prior_accepted``; by default
+``0.4 * log2(1 + b)``).
+
+**Cost model.** ``startup_cost(batch, budget) -> ms`` (a callable, e.g.
+:class:`StartupCost` built from the start-up measurement of
+:mod:`vllm_ddtree.cost_model`: target forward against verified tokens, drafter
+against batch size, a tree overhead), times a per-(bucket, budget) multiplicative
+correction: the decayed mean of measured / modelled step time, inferred for
+unmeasured budgets like acceptance (a correction of 1 where nothing is known), and
+made non-decreasing in ``b`` (a larger tree never costs less). Steps that also
+prefilled (``prefill_tokens > 0``) feed acceptance but not cost.
+
+**Decision.** Every ``refresh_steps`` observed steps (and when a probe ends), for each
+bucket that saw steps since: the best budget by the formula above, at the bucket's
+mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
+bucket's largest batch are never chosen. Hysteresis: the choice changes only when the
+best beats the current by more than ``margin`` (5 %) and the current has been held
+for ``min_hold_steps`` (32) of the bucket's steps. Between refreshes a decision is a
+list lookup (:meth:`BudgetController.budget_for`, :meth:`BudgetController.budget_table`).
+
+**Exploration.** A bucket that is off (budget 0) measures no acceptance, so it probes:
+after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at least
+``probe_steps`` (8) steps and ``probe_requests`` (64) tree-verifying requests, then
+decides with the new data. Drafting comes back on only on a measured lower bound (a
+budget accepts at least what a smaller one just measured), never on an extrapolation
+of a short probe. A bucket that drafts probes the next allowed budget above and below
+its choice in turn (``probe_when_drafting``), so a pessimistic prior or a drift is
+corrected. A probe that changes nothing doubles the interval (from
+``probe_interval_min`` = 32 up to ``probe_interval_max`` = 1024 of the bucket's steps);
+a change of choice resets it. So a workload change is noticed within about
+``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
+backed off probes take a probe's length per ``probe_interval_max`` steps (under 1 %
+at batch 8, ~6 % at batch 1, where a probe needs 64 steps for 64 requests).
+
+**Determinism.** No clocks, no random numbers, no iteration over hashed containers:
+the table is a function of the sequence of :class:`StepStats` fed to it and the
+constructor's arguments. Every tensor-parallel rank (or the engine core and the
+workers) fed the same statistics in the same order takes the same decisions; feed
+every rank rank 0's step time, not its own, or run one controller beside the
+scheduler and broadcast its budget (the scheduler's output already reaches every rank).
+
+:meth:`BudgetController.state` returns a JSON-serialisable dict for a /metrics exporter or
+a log line (:meth:`BudgetController.log_line`): per bucket, the chosen budget, the
+estimated and measured acceptance per budget, the step-time estimate per budget and
+the expected tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence, Union
+
+from vllm_ddtree.budget import budget_levels
+
+# A curve: a number (constant), a {x: y} table (piecewise linear), or a callable.
+Curve = Union[float, int, Mapping[int, float], Callable[[int], float]]
+
+# A cell's decayed weight below this does not count as a measurement for the shape
+# (slow) ratios, nor as an anchor for inference.
+MIN_WEIGHT = 1.0
+# How far the measured shape E(b) / E(a) may stray from the prior's ratio.
+SHAPE_CLIP = 2.0
+
+
+def interpolate(points: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear ``points`` at ``x``: flat below the first point, the last
+    segment's slope (never negative) beyond the last."""
+    if not points:
+        raise ValueError("interpolate needs at least one point")
+    pts = sorted((float(k), float(v)) for k, v in points.items())
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+
+
+def _curve(curve: Curve, x: int) -> float:
+    if callable(curve):
+        return float(curve(x))
+    if isinstance(curve, Mapping):
+        return interpolate(curve, x)
+    return float(curve)
+
+
+@dataclass(frozen=True)
+class StartupCost:
+    """A step-time model in ms from start-up measurements, callable as
+    ``(batch, budget) -> ms``:
+
+    * budget > 0: ``host_ms + target_forward_ms(batch * (budget + 1)) +
+      drafter_ms(batch) + tree_ms_per_step + tree_ms_per_node * batch * budget``
+    * budget 0: ``host_ms + target_forward_ms(batch) + context_store_ms(batch)``
+
+    ``target_forward_ms`` is the forward's time against the verified tokens (e.g. the
+    ``forward_ms`` of :func:`vllm_ddtree.cost_model.measure_tokens_per_step`'s report),
+    ``drafter_ms`` a drafting step's drafter against the batch size,
+    ``context_store_ms`` what a budget-0 step still pays for the drafter (its context
+    store). Curves are numbers, ``{x: ms}`` tables (piecewise linear) or callables.
+    """
+
+    target_forward_ms: Curve
+    drafter_ms: Curve = 0.0
+    context_store_ms: Curve = 0.0
+    tree_ms_per_step: float = 0.0
+    tree_ms_per_node: float = 0.0
+    host_ms: float = 0.0
+
+    def __call__(self, batch: int, budget: int) -> float:
+        if budget == 0:
+            return (self.host_ms + _curve(self.target_forward_ms, batch)
+                    + _curve(self.context_store_ms, batch))
+        return (self.host_ms + _curve(self.target_forward_ms, batch * (budget + 1))
+                + _curve(self.drafter_ms, batch) + self.tree_ms_per_step
+                + self.tree_ms_per_node * batch * budget)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, as the engine reports it (any number of steps late).
+
+    ``batch_size``: requests decoding in the step. ``budget``: the tree budget the
+    step verified (0: no drafts), one of the controller's levels. ``step_ms``: the
+    step's wall time. Acceptance, for the requests that verified a tree (not those
+    whose first decode step it was, which had none): either ``accepted_depths``, one
+    accepted depth (accepted draft nodes, bonus token excluded) per request, or
+    ``depth_hits``, where ``depth_hits[d]`` counts requests whose accepted path
+    reached depth ``d`` (``depth_hits[0]``: requests with a tree; non-increasing).
+    ``prefill_tokens`` > 0 marks a step that also prefilled: its time is not a decode
+    step's, so it feeds acceptance only."""
+
+    batch_size: int
+    budget: int
+    step_ms: float
+    accepted_depths: Sequence[int] | None = None
+    depth_hits: Sequence[int] | None = None
+    prefill_tokens: int = 0
+
+
+def isotonic_non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([float(v), max(float(w), 1e-12), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for m, _, c in blocks:
+        out.extend([m] * int(c))
+    return out
+
+
+class _Cell:
+    """Decayed sum and weight of one quantity at two half-lives (decayed lazily)."""
+
+    __slots__ = ("fast_sum", "fast_w", "slow_sum", "slow_w", "depth_sums", "step")
+
+    def __init__(self, depths: int = 0) -> None:
+        self.fast_sum = self.fast_w = self.slow_sum = self.slow_w = 0.0
+        self.depth_sums = [0.0] * depths  # fast per-depth hits (acceptance cells)
+        self.step = 0
+
+    def add(self, now: int, value_sum: float, weight: float, fast: float, slow: float,
+            depth_hits: Sequence[float] = ()) -> None:
+        if now != self.step:
+            df = 0.5 ** ((now - self.step) / fast)
+            ds = 0.5 ** ((now - self.step) / slow)
+            self.fast_sum *= df
+            self.fast_w *= df
+            self.slow_sum *= ds
+            self.slow_w *= ds
+            for d in range(len(self.depth_sums)):
+                self.depth_sums[d] *= df
+            self.step = now
+        self.fast_sum += value_sum
+        self.fast_w += weight
+        self.slow_sum += value_sum
+        self.slow_w += weight
+        for d in range(min(len(depth_hits), len(self.depth_sums))):
+            self.depth_sums[d] += depth_hits[d]
+
+    def weights(self, now: int, fast: float, slow: float) -> tuple[float, float]:
+        dt = now - self.step
+        return self.fast_w * 0.5 ** (dt / fast), self.slow_w * 0.5 ** (dt / slow)
+
+    def fast_mean(self) -> float | None:
+        return self.fast_sum / self.fast_w if self.fast_w > 0 else None
+
+    def slow_mean(self) -> float | None:
+        return self.slow_sum / self.slow_w if self.slow_w > 0 else None
+
+
+class _Bucket:
+    __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
+                 "choice", "since_switch", "since_probe", "probe_interval", "probing",
+                 "probe_done", "probe_requests", "probe_seen", "probe_up", "dirty",
+                 "steps", "switches", "probes", "estimate")
+
+    def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
+                 initial: int, probe_interval: int, min_hold: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.acc = [_Cell(max_depth + 1) for _ in range(num_levels)]
+        self.cost = [_Cell() for _ in range(num_levels)]
+        self.batch_sum = self.batch_w = 0.0
+        self.batch_step = 0
+        self.choice = initial
+        self.since_switch = min_hold  # the initial choice may change at once
+        self.since_probe = 0
+        self.probe_interval = probe_interval
+        self.probing: int | None = None  # the budget being probed
+        self.probe_done = self.probe_requests = self.probe_seen = 0
+        self.probe_up = True  # direction of the next probe while drafting
+        self.dirty = False
+        self.steps = self.switches = self.probes = 0
+        self.estimate: dict | None = None
+
+
+class BudgetController:
+    """Chooses each step's tree budget per batch-size bucket (module docstring).
+
+    Feed :meth:`observe` one :class:`StepStats` per step; read :meth:`budget_for`
+    (one bucket) or :meth:`budget_table` (by batch size, the layout of vLLM's dynamic
+    speculative-decoding lookup) whenever a step is scheduled; :attr:`version` grows
+    whenever the table changes. Deterministic given its inputs.
+    """
+
+    def __init__(
+        self,
+        max_budget: int,
+        max_depth: int,
+        startup_cost: Callable[[int, int], float],
+        *,
+        max_batch_size: int = 1024,
+        levels: Sequence[int] | None = None,
+        max_verified_tokens: int | None = None,
+        prior_accepted: Curve | None = None,
+        half_life_steps: float = 64.0,
+        shape_half_life_steps: float = 2048.0,
+        prior_weight: float = 4.0,
+        inference_weight: float = 0.1,
+        refresh_steps: int = 16,
+        margin: float = 0.05,
+        min_hold_steps: int = 32,
+        probe_budget: int = 4,
+        probe_steps: int = 8,
+        probe_requests: int = 64,
+        probe_interval_min: int = 32,
+        probe_interval_max: int = 1024,
+        probe_when_drafting: bool = True,
+    ) -> None:
+        if max_budget < 1 or max_depth < 1 or max_batch_size < 1:
+            raise ValueError("max_budget, max_depth and max_batch_size must be >= 1")
+        if levels is None:
+            levels = budget_levels(max_budget)
+        lv = sorted(set(int(b) for b in levels) | {0})
+        if lv[-1] > max_budget or lv[0] < 0:
+            raise ValueError(f"levels must lie in 0..{max_budget}, got {list(levels)}")
+        if len(lv) < 2:
+            raise ValueError("levels need at least one budget > 0")
+        if not (half_life_steps > 0 and shape_half_life_steps >= half_life_steps):
+            raise ValueError("need 0 < half_life_steps <= shape_half_life_steps")
+        if refresh_steps < 1 or min_hold_steps < 0 or probe_steps < 1:
+            raise ValueError("refresh_steps and probe_steps must be >= 1, min_hold_steps >= 0")
+        if not 1 <= probe_interval_min <= probe_interval_max:
+            raise ValueError("need 1 <= probe_interval_min <= probe_interval_max")
+        if margin < 0 or prior_weight <= 0:
+            raise ValueError("need margin >= 0 and prior_weight > 0")
+        self.levels: list[int] = lv
+        self._index = {b: i for i, b in enumerate(lv)}
+        self.max_depth = int(max_depth)
+        self.max_batch_size = int(max_batch_size)
+        self.startup_cost = startup_cost
+        self.max_verified_tokens = max_verified_tokens
+        self.prior_accepted: Curve = (prior_accepted if prior_accepted is not None
+                                      else (lambda b: 0.4 * math.log2(1 + b)))
+        self.half_life = float(half_life_steps)
+        self.shape_half_life = float(shape_half_life_steps)
+        self.prior_weight = float(prior_weight)
+        self.inference_weight = float(inference_weight)
+        self.refresh_steps = int(refresh_steps)
+        self.margin = float(margin)
+        self.min_hold = int(min_hold_steps)
+        drafting = [b for b in lv if b > 0]
+        self.probe_budget = max([b for b in drafting if b <= probe_budget] or [drafting[0]])
+        self.probe_steps = int(probe_steps)
+        self.probe_requests = int(probe_requests)
+        self.probe_when_drafting = bool(probe_when_drafting)
+        self.probe_interval_min = int(probe_interval_min)
+        self.probe_interval_max = int(probe_interval_max)
+        self._step = 0
+        self.version = 0
+        self._buckets: list[_Bucket] = []
+        for i in range(self.max_batch_size.bit_length()):
+            lo, hi = 1 << i, min((1 << (i + 1)) - 1, self.max_batch_size)
+            self._buckets.append(_Bucket(lo, hi, len(lv), self.max_depth, 0,
+                                         self.probe_interval_min, self.min_hold))
+        # Initial choice: the prior and the start-up model alone.
+        for i, bk in enumerate(self._buckets):
+            bk.estimate = self._estimate(i)
+            bk.choice = bk.estimate["best"]
+        self._table = [bk.choice for bk in self._buckets]
+
+    # ------------------------------------------------------------------ reading
+
+    def bucket_of(self, batch_size: int) -> int:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return min(batch_size, self.max_batch_size).bit_length() - 1
+
+    def budget_for(self, batch_size: int) -> int:
+        """The budget to verify at ``batch_size`` (a list lookup)."""
+        return self._table[self.bucket_of(batch_size)]
+
+    def choice_for(self, batch_size: int) -> int:
+        """The budget chosen for ``batch_size``'s bucket: :meth:`budget_for` except
+        while a probe verifies another budget for a few steps."""
+        return self._buckets[self.bucket_of(batch_size)].choice
+
+    def budget_table(self, max_batch: int | None = None) -> list[int]:
+        """Budget by batch size, index = batch size (index 0 unused, 0): the layout of
+        the scheduler's ``dynamic_sd_lookup``."""
+        n_max = self.max_batch_size if max_batch is None else max_batch
+        return [0] + [self._table[self.bucket_of(n)] for n in range(1, n_max + 1)]
+
+    # ---------------------------------------------------------------- observing
+
+    def observe(self, stats: StepStats) -> bool:
+        """One step's statistics; returns whether the budget table changed."""
+        n, b = int(stats.batch_size), int(stats.budget)
+        if n < 1:
+            raise ValueError(f"batch_size must be >= 1, got {n}")
+        if b not in self._index:
+            raise ValueError(f"budget {b} is not one of the levels {self.levels}")
+        if not (math.isfinite(stats.step_ms) and stats.step_ms > 0):
+            raise ValueError(f"step_ms must be positive and finite, got {stats.step_ms}")
+        hits = self._depth_hits(stats, b, n)
+        self._step += 1
+        now = self._step
+        i = self.bucket_of(n)
+        bk = self._buckets[i]
+        li = self._index[b]
+        bk.steps += 1
+        # Mean batch size in the bucket (fast decay).
+        df = 0.5 ** ((now - bk.batch_step) / self.half_life)
+        bk.batch_sum = bk.batch_sum * df + n
+        bk.batch_w = bk.batch_w * df + 1.0
+        bk.batch_step = now
+        if hits is not None and hits[0] > 0:
+            bk.acc[li].add(now, float(sum(hits[1:])), float(hits[0]), self.half_life,
+                           self.shape_half_life, hits)
+        if stats.prefill_tokens == 0:
+            model = self.startup_cost(min(max(n, 1), self.max_batch_size), b)
+            if not model > 0:
+                raise ValueError(f"startup_cost({n}, {b}) = {model}; it must be positive")
+            bk.cost[li].add(now, stats.step_ms / model, 1.0, self.half_life,
+                            self.shape_half_life)
+        bk.since_switch += 1
+        bk.dirty = True
+        changed = False
+        if bk.probing is not None:
+            # Statistics lag: count only the steps that verified the probed budget; a
+            # probe that sees too few of them (the table was overridden) is ended.
+            bk.probe_seen += 1
+            if b == bk.probing:
+                bk.probe_done += 1
+                bk.probe_requests += hits[0] if hits is not None else 0
+            enough = bk.probe_done >= self.probe_steps and (
+                bk.probing == 0 or bk.probe_requests >= self.probe_requests)
+            if enough or bk.probe_seen >= 3 * max(self.probe_steps,
+                                                   -(-self.probe_requests // n)):
+                changed |= self._end_probe(i)
+        else:
+            bk.since_probe += 1
+        if now % self.refresh_steps == 0:
+            for j, other in enumerate(self._buckets):
+                if other.dirty:
+                    changed |= self._refresh(j)
+        if changed:
+            self.version += 1
+        return changed
+
+    def _depth_hits(self, stats: StepStats, b: int, n: int) -> list[int] | None:
+        cap = min(b, self.max_depth)
+        if stats.accepted_depths is not None and stats.depth_hits is not None:
+            raise ValueError("give accepted_depths or depth_hits, not both")
+        if b == 0:
+            if (stats.accepted_depths is not None and len(stats.accepted_depths)) or \
+                    (stats.depth_hits is not None and any(stats.depth_hits)):
+                raise ValueError("a budget-0 step verified no trees; it has no acceptance")
+            return None
+        hits = [0] * (self.max_depth + 1)
+        if stats.accepted_depths is not None:
+            for d in stats.accepted_depths:
+                d = int(d)
+                if not 0 <= d <= cap:
+                    raise ValueError(f"accepted depth {d} outside 0..{cap} (budget {b})")
+                for k in range(d + 1):
+                    hits[k] += 1
+        elif stats.depth_hits is not None:
+            given = [int(h) for h in stats.depth_hits]
+            if any(h < 0 for h in given) or any(x < y for x, y in zip(given, given[1:])):
+                raise ValueError("depth_hits must be non-negative and non-increasing")
+            if any(given[cap + 1:]):
+                raise ValueError(f"depth_hits beyond depth {cap} (budget {b})")
+            for k in range(min(len(given), cap + 1)):
+                hits[k] = given[k]
+        else:
+            return None
+        if hits[0] > n:
+            raise ValueError(f"{hits[0]} requests with trees in a batch of {n}")
+        return hits
+
+    # ---------------------------------------------------------------- deciding
+
+    def _allowed(self, bk: _Bucket) -> list[bool]:
+        cap = self.max_verified_tokens
+        return [b == 0 or cap is None or bk.hi * (b + 1) <= cap for b in self.levels]
+
+    def _refresh(self, i: int) -> bool:
+        bk = self._buckets[i]
+        bk.dirty = False
+        est = bk.estimate = self._estimate(i)
+        if bk.probing is not None:
+            return False
+        scores, best, cur = est["scores"], est["best"], bk.choice
+        if cur == 0:  # on again only on measured evidence
+            scores, best = est["scores_lower"], est["best_lower"]
+        if bk.since_switch >= self.min_hold and bk.since_probe >= bk.probe_interval:
+            target = self._probe_target(bk)
+            if target is not None:
+                bk.probing, bk.probe_done, bk.probe_requests, bk.probe_seen = target, 0, 0, 0
+                bk.probes += 1
+                return self._set(i, target)
+        if best != cur and bk.since_switch >= self.min_hold and \
+                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
+            self._switch(bk, best)
+            return self._set(i, best)
+        return False
+
+    def _probe_target(self, bk: _Bucket) -> int | None:
+        """The budget to probe: ``probe_budget`` when off; while drafting, the next
+        allowed level above and below the choice in turn (None: no probe)."""
+        allowed = [b for b, ok in zip(self.levels, self._allowed(bk)) if ok]
+        if bk.choice == 0:
+            return self.probe_budget if self.probe_budget in allowed else (
+                min((b for b in allowed if b > 0), default=None))
+        if not self.probe_when_drafting:
+            return None
+        up = [b for b in allowed if b > bk.choice]
+        down = [b for b in allowed if b < bk.choice]
+        order = [min(up) if up else None, max(down) if down else None]
+        if not bk.probe_up:
+            order.reverse()
+        bk.probe_up = not bk.probe_up
+        return order[0] if order[0] is not None else order[1]
+
+    def _end_probe(self, i: int) -> bool:
+        """A probe's data is in: switch if the bucket's best now beats its choice by
+        the margin (the probe interval starts again from its minimum), else double
+        the interval and go back to the choice."""
+        bk = self._buckets[i]
+        bk.probing = None
+        bk.dirty = False
+        bk.since_probe = 0
+        est = bk.estimate = self._estimate(i)
+        scores, best, cur = est["scores"], est["best"], bk.choice
+        if cur == 0:  # on again only on measured evidence
+            scores, best = est["scores_lower"], est["best_lower"]
+        if best != cur and \
+                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
+            self._switch(bk, best)
+            return self._set(i, best)
+        bk.probe_interval = min(2 * bk.probe_interval, self.probe_interval_max)
+        return self._set(i, cur)
+
+    def _switch(self, bk: _Bucket, budget: int) -> None:
+        bk.choice = budget
+        bk.since_switch = 0
+        bk.since_probe = 0
+        bk.switches += 1
+        bk.probe_interval = self.probe_interval_min
+
+    def _set(self, i: int, budget: int) -> bool:
+        if self._table[i] == budget:
+            return False
+        self._table[i] = budget
+        return True
+
+    # -------------------------------------------------------------- estimating
+
+    def _infer(self, cells: list[_Cell], prior: list[float],
+               monotone: bool = False) -> tuple[list[float], list[float]] | None:
+        """Per-level values (and weights) from a bucket's cells: each level's fast mean
+        shrunk toward what the other recently measured levels imply (their fast mean
+        times the slow ratio, or the prior's); None without any data."""
+        now = self._step
+        fw, sw = zip(*(c.weights(now, self.half_life, self.shape_half_life) for c in cells))
+        fm = [c.fast_mean() for c in cells]
+        sm = [c.slow_mean() for c in cells]
+        anchors = [j for j in range(len(cells)) if fw[j] >= MIN_WEIGHT]
+        if not anchors:
+            anchors = [j for j in range(len(cells)) if fw[j] > 0]
+        if not anchors:
+            return None
+
+        def ratio(i: int, j: int) -> float:
+            base = prior[i] / prior[j] if prior[j] > 0 else 1.0
+            if sw[i] >= MIN_WEIGHT and sw[j] >= MIN_WEIGHT and sm[j] > 0:
+                # Slow means of two budgets may come from different periods (one
+                # measured before a change, one after): keep their ratio within
+                # SHAPE_CLIP of the prior's.
+                r = min(max(sm[i] / sm[j], base / SHAPE_CLIP), base * SHAPE_CLIP)
+                # Monotone callers (acceptance) also never infer a larger budget below
+                # a smaller one.
+                if monotone:
+                    r = max(r, 1.0) if i > j else min(r, 1.0) if i < j else r
+                return r
+            return base
+
+        values, weights = [], []
+        for i in range(len(cells)):
+            others = [j for j in anchors if j != i]
+            inferred, k = None, self.prior_weight
+            if others:
+                total = sum(fw[j] for j in others)
+                inferred = sum(fw[j] * fm[j] * ratio(i, j) for j in others) / total
+                # What the others imply weighs a share of their own fresh weight.
+                k = max(self.prior_weight, self.inference_weight * total)
+            if fw[i] > 0 and inferred is not None:
+                values.append((fw[i] * fm[i] + k * inferred) / (fw[i] + k))
+                # In the isotonic fit an inference weighs no more than the prior.
+                weights.append(fw[i] + self.prior_weight)
+            elif fw[i] > 0:
+                values.append(fm[i])
+                weights.append(fw[i])
+            else:
+                values.append(inferred)
+                weights.append(self.prior_weight)
+        return values, weights
+
+    def _nearest(self, i: int, get) -> tuple[list[float], list[float]] | None:
+        """``get(bucket)`` for bucket i, else for the nearest bucket that has data
+        (the smaller on a tie); weights there count as the prior's."""
+        own = get(self._buckets[i])
+        if own is not None:
+            return own
+        for dist in range(1, len(self._buckets)):
+            for j in (i - dist, i + dist):
+                if 0 <= j < len(self._buckets):
+                    found = get(self._buckets[j])
+                    if found is not None:
+                        return found[0], [self.prior_weight] * len(found[0])
+        return None
+
+    def _estimate(self, i: int) -> dict:
+        bk = self._buckets[i]
+        lv = self.levels
+        if bk.batch_w > 0:
+            n_rep = bk.batch_sum / bk.batch_w
+        else:
+            n_rep = math.sqrt(bk.lo * bk.hi)
+        n_int = min(max(int(round(n_rep)), bk.lo), bk.hi)
+        # Acceptance, budgets > 0 (index 0 of the cells is budget 0, unused).
+        prior = [0.0] + [max(0.0, _curve(self.prior_accepted, b)) for b in lv[1:]]
+        found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:], True))
+        if found is None:
+            acc_v, acc_w = prior[1:], [self.prior_weight] * (len(lv) - 1)
+        else:
+            acc_v, acc_w = found
+        acc = [0.0] + [min(v, float(min(b, self.max_depth)))
+                       for v, b in zip(isotonic_non_decreasing(acc_v, acc_w), lv[1:])]
+        # Step time: the start-up model times a correction.
+        model = [float(self.startup_cost(n_int, b)) for b in lv]
+        found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv)))
+        corr, corr_w = found if found is not None else ([1.0] * len(lv),
+                                                        [self.prior_weight] * len(lv))
+        step_ms = isotonic_non_decreasing([m * c for m, c in zip(model, corr)], corr_w)
+        # A lower bound for turning drafting on: a budget accepts at least what the
+        # largest smaller budget measured recently did (its raw fast mean), nothing
+        # inferred. Extrapolating a short probe of a small tree to large ones would
+        # turn drafting on from noise.
+        lower, run = [0.0], 0.0
+        for b, cell in zip(lv[1:], bk.acc[1:]):
+            fw, _ = cell.weights(self._step, self.half_life, self.shape_half_life)
+            if fw >= MIN_WEIGHT:
+                run = max(run, cell.fast_mean())
+            lower.append(min(run, float(min(b, self.max_depth))))
+        allowed = self._allowed(bk)
+
+        def rank(accepted: list[float]) -> tuple[list[float], int]:
+            scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
+                      for a, t, ok in zip(accepted, step_ms, allowed)]
+            best = 0
+            for j in range(1, len(lv)):
+                if scores[j] > scores[best]:
+                    best = j
+            return scores, lv[best]
+
+        scores, best = rank(acc)
+        scores_lower, best_lower = rank(lower)
+        return {"batch": n_rep, "accepted": acc, "step_ms": step_ms,
+                "scores": scores, "best": best, "accepted_lower": lower,
+                "scores_lower": scores_lower, "best_lower": best_lower}
+
+    # ----------------------------------------------------------------- metrics
+
+    def state(self) -> dict:
+        """Operator-facing state (JSON-serialisable): per bucket with steps, the
+        chosen budget, whether it is probing, and per budget the estimated and
+        measured (fast, decayed) acceptance, per-depth hit rates of the measured
+        budgets, the step-time estimate and the expected tokens/s."""
+        out = {"step": self._step, "version": self.version, "levels": list(self.levels),
+               "half_life_steps": self.half_life, "buckets": {}}
+        for i, bk in enumerate(self._buckets):
+            if bk.steps == 0:
+                continue
+            est = bk.estimate if bk.estimate is not None else self._estimate(i)
+            measured, hit_rates = {}, {}
+            for b, cell in zip(self.levels, bk.acc):
+                if b > 0 and cell.fast_w > 0:
+                    measured[str(b)] = round(cell.fast_mean(), 4)
+                    hit_rates[str(b)] = [round(h / cell.fast_w, 4)
+                                         for h in cell.depth_sums[1:min(b, self.max_depth) + 1]]
+            out["buckets"][f"{bk.lo}-{bk.hi}"] = {
+                "budget": self._table[i],
+                "choice": bk.choice,
+                "probing": bk.probing is not None,
+                "probe_interval": bk.probe_interval,
+                "steps": bk.steps,
+                "switches": bk.switches,
+                "probes": bk.probes,
+                "mean_batch": round(est["batch"], 3),
+                "accepted": {str(b): round(a, 4) for b, a in zip(self.levels, est["accepted"])},
+                "accepted_measured": measured,
+                "depth_hit_rate": hit_rates,
+                "step_ms": {str(b): round(t, 4) for b, t in zip(self.levels, est["step_ms"])},
+                "tokens_per_s": {str(b): round(s, 2) for b, s in zip(self.levels, est["scores"])},
+            }
+        return out
+
+    def log_line(self) -> str:
+        """One line for the log: budget by bucket with its expected tokens/s and
+        acceptance, e.g. ``ddtree budget: 1-1: 16 (tau 2.10, 143 tok/s), 64-127: 0``."""
+        parts = []
+        for name, b in self.state()["buckets"].items():
+            acc, tps = b["accepted"][str(b["budget"])], b["tokens_per_s"][str(b["budget"])]
+            probe = " probing" if b["probing"] else ""
+            parts.append(f"{name}: {b['budget']}{probe} (tau {acc + 1:.2f}, {tps:.0f} tok/s)")
+        return "ddtree budget: " + (", ".join(parts) if parts else "no steps yet")
