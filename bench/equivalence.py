@@ -26,25 +26,47 @@ def read_result(path: str) -> dict:
         return json.load(f)
 
 
-def gather(paths: list[str]) -> dict:
+def explained(near_ties: list[dict], case: dict) -> int:
+    """Differing outputs of ``case`` whose first difference is a near tie: the two
+    tokens' margin within float32 rounding, or plain decoding itself choosing the
+    speculative run's token when it computes that position in another batch shape
+    (``bench/gpu_checks.py near_tie_margins``)."""
+    return sum(1 for t in near_ties
+               if t["config"] == case["config"] and t["batch"] == case["batch"]
+               and t["sampling"] == case.get("sampling")
+               and (t.get("near_tie") or t.get("recomputed_token") == t.get("output_token")))
+
+
+def gather(paths: list[str], allow_partial: bool = False) -> dict:
     cases: dict[tuple, dict] = {}
     for path in paths:
         result = read_result(path)
-        if not result.get("complete", False):
-            raise SystemExit(f"{path}: the run did not complete (complete != true)")
+        complete = bool(result.get("complete", False))
+        if not complete and not allow_partial:
+            raise SystemExit(f"{path}: the run did not complete (complete != true); "
+                             "--allow-partial keeps its cases, marked")
         for case in result.get("cases", []):
-            row = dict(case, result_file=os.path.basename(path))
+            row = dict(case, result_file=os.path.basename(path), run_complete=complete)
+            if "sampling" not in row:  # results written before cases named their mode
+                row["sampling"] = ("greedy" if not row["seeded"] else
+                                   "seeded-topk-topp" if row.get("top_k") else "seeded")
+            if "near_ties" in result:
+                row["differing_near_ties"] = explained(result["near_ties"], case)
             cases[tuple(row.get(k) for k in KEY)] = row
     rows = sorted(cases.values(), key=lambda c: tuple(str(c.get(k)) for k in KEY))
+    ddtree = [c for c in rows if c["method"] == "ddtree"]
     return {
         "summary": {
             "cases": len(rows),
             "identical": sum(c["identical"] for c in rows),
             "total": sum(c["total"] for c in rows),
-            "all_identical_ddtree": all(c["identical"] == c["total"] for c in rows
-                                        if c["method"] == "ddtree"),
+            "ddtree_identical": sum(c["identical"] for c in ddtree),
+            "ddtree_total": sum(c["total"] for c in ddtree),
+            "ddtree_differing_near_ties": sum(c.get("differing_near_ties", 0) for c in ddtree),
+            "all_identical_ddtree": all(c["identical"] == c["total"] for c in ddtree),
         },
-        "command": "python3 bench/equivalence.py " + " ".join(
+        "command": "python3 bench/equivalence.py " + ("--allow-partial " if allow_partial else "")
+        + " ".join(
             os.path.relpath(p) for p in paths) + " --out <this file>",
         "cases": rows,
     }
@@ -54,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+")
     parser.add_argument("--out")
+    parser.add_argument("--allow-partial", action="store_true",
+                        help="keep the cases of a run stopped by its timeout (marked)")
     args = parser.parse_args(argv)
-    table = gather(args.results)
+    table = gather(args.results, args.allow_partial)
     text = json.dumps(table, indent=1) + "\n"
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

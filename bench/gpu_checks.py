@@ -183,7 +183,8 @@ def run_equiv(args) -> dict:
         prompts = _prompts(args.num_prompts)
     tp = int(os.environ.get("DDTREE_CHECK_TP", "1"))
     results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, sampling=args.sampling,
-                   vllm_version=vllm.__version__, git_rev=_git_rev(), tp=tp,
+                   vllm_version=vllm.__version__, git_rev=_git_rev(),
+                   code_digest=_code_digest(), tp=tp,
                    max_tokens=args.max_tokens, runs=[], cases=[])
     shapes = args.target_shapes if dummy else [None]
     for shape in shapes:
@@ -337,6 +338,14 @@ def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
     )
 
 
+def _code_digest() -> str:
+    """The digest of the files that ran (bench.run.code_digest): a copied working tree
+    may carry a stale .git, so git_rev alone does not say what ran."""
+    from bench.run import code_digest
+
+    return code_digest()
+
+
 def _git_rev() -> str | None:
     import subprocess
 
@@ -445,7 +454,7 @@ def run_equiv_real(args) -> dict:
                    eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
                    sampling=args.sampling, vllm_version=vllm.__version__,
                    target_name=args.target_name or os.path.basename(target.rstrip("/")),
-                   git_rev=_git_rev(), runs=[], cases=[])
+                   git_rev=_git_rev(), code_digest=_code_digest(), runs=[], cases=[])
     results["batch_invariant"] = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     wanted = set(args.variants or EQUIV_REAL_VARIANTS)
 
@@ -530,9 +539,13 @@ def run_equiv_real(args) -> dict:
                     kept = [i for i in range(n) if i not in aborted]
                     same = sum(outs[i] == ref[m][n][i] for i in kept)
                     prefix_ok = sum(ref[m][n][i][:len(outs[i])] == outs[i] for i in aborted)
+                    # Differences of the requests that ran to the end, by request index.
+                    kept_out = [outs[i] if i in kept else ref[m][n][i] for i in range(n)]
                     record(dict(config=name + "-aborts", batch=n, aborted=len(aborted),
                                 steps=steps, identical_outputs=same, num_outputs=len(kept),
-                                aborted_outputs_are_prefixes=prefix_ok), m)
+                                aborted_outputs_are_prefixes=prefix_ok,
+                                differences=differences(kept_out, ref[m][n]),
+                                reference_tokens=_differing(kept_out, ref[m][n])), m)
                 except Exception as exc:
                     record(dict(config=name + "-aborts", error=repr(exc)[:1500]), m)
         _free(llm)

@@ -447,8 +447,8 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
             "ddtree: --jit-monitor-mode error could stop the engine at its first "
             "requests: vLLM 0.26's DFlash input kernel (_prepare_dflash_inputs_kernel, "
             "which ddtree drafts with) compiled again while serving for each new range "
-            "of prompt lengths after the start-up warm-up (docs/benchmarks.md, session "
-            "15); ddtree now warms it up for every block size, not yet confirmed on a "
+            "of prompt lengths after the start-up warm-up (bench/results/"
+            "2026-11-30-steady-plain-chain-trees-both-orders/); ddtree now warms it up for every block size, not yet confirmed on a "
             "GPU. Use --jit-monitor-mode warn (the default), which logs each kernel "
             "that compiles."
         )
@@ -557,7 +557,7 @@ def ddtree_cudagraph_capture_size(vllm_config: Any) -> int | None:
     prefills a joining request ran without graphs: on the H200 benchmark pair at 64
     concurrent requests those steps, one in three, cost 23 ms (HumanEval) against
     12 ms with graphs up to 1024 tokens, and tokens/s rose from 5960 to 11700
-    (docs/benchmarks.md, session 11). The default is therefore twice the largest
+    (bench/results/2026-11-30-steady-patch8-joining-graphs/). The default is therefore twice the largest
     decode step (rounded up to 16 tokens), at most :data:`MAX_DEFAULT_CUDAGRAPH_TOKENS`
     (capture time and memory grow with it; 2048 measured no better) and at most
     max_num_batched_tokens.
@@ -597,7 +597,7 @@ def ddtree_cudagraph_mode(vllm_config: Any, level_default: Any) -> Any | None:
     one step in three admits a request. Triton's unified attention runs any mix of
     prefills and trees inside one graph (its CUDA graph support is ALWAYS), so DDTree
     on it defaults to FULL: one graph per token count for every step up to the largest
-    captured size (docs/benchmarks.md, session 12). Kept: a mode the user set, levels
+    captured size (bench/results/2026-11-30-steady-varied-lengths-full-graphs/). Kept: a mode the user set, levels
     whose default has no FULL graphs (O0, O1), eager engines, and trees verified on
     FlashAttention (``VLLM_DDTREE_TREE_ATTENTION=flash``, whose split is measured with
     decode-only FULL graphs)."""

@@ -88,7 +88,7 @@ def fused_kernels_enabled() -> bool:
 # and wide as the step's batch-aware budget needs (vllm_ddtree.budget.draft_shape; the
 # verified trees are the same up to top-K ties). Off by default: on the H200 with the
 # benchmark pair it made the batch-64 drafting stage slower, not faster (1.97 -> 3.43
-# ms p50, docs/benchmarks.md, session 6), for a reason not yet found.
+# ms p50, bench/results/2026-11-29-drafting-off-lean-drafting/), for a reason not yet found.
 LEAN_DRAFT_ENV = "VLLM_DDTREE_LEAN_DRAFT"
 
 
