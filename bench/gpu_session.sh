@@ -36,8 +36,8 @@
 #                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, EXACT_DTYPES
 #                                      # (float32; "float32 bfloat16" splits the time),
 #                                      # with the no-speculation batch-shape control
-#   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, host cost per
-#                                      # wrapper, engines with and without it (batch 1, 4)
+#   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, engines with
+#                                      # and without it (batch 1, 4)
 #   bash bench/gpu_session.sh gap      # plain decoding on FLASH_ATTN and TRITON_ATTN beside DDTree
 #                                      # drafting off from 4 requests, trees on Triton and on
 #                                      # FlashAttention (batch 4-64,
@@ -55,21 +55,13 @@
 #   bash bench/gpu_session.sh joins    # float32, requests joining under DDTree's default graphs:
 #                                      # greedy match vs no-spec (JOINS_CONFIGS, JOINS_BATCH_SIZES)
 #   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
-#   bash bench/gpu_session.sh gap-profile  # cProfile: a plain vs a drafting-off step, batch 16
+#   bash bench/gpu_session.sh gap-profile  # cProfile: a plain and a drafting-off step, batch 16
 #                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS;
 #                                          # GAP_PROFILE_STEADY=N: a steady cell of N
 #                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces)
 #   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
 #   bash bench/gpu_session.sh flashtests   # the GPU test alone
 #   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
-#   bash bench/gpu_session.sh graphmodes   # greedy tokens per CUDA-graph mode, no speculation
-#                                          # (GRAPHMODES_MODES; GRAPHMODES_PRISTINE=1: series
-#                                          # reverted first): FULL on FlashAttention (patch 10);
-#                                          # mode full-maxq (pristine): FULL captured with
-#                                          # max_query_len = token count (the cause?)
-#   bash bench/gpu_session.sh jit      # Triton kernels compiling while an engine serves (vLLM's
-#                                      # verbose JIT monitor), a wave per batch size
-#                                      # (JIT_CONFIGS, JIT_BATCH_SIZES)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -277,13 +269,10 @@ case "$step" in
     ;;
   launch)
     # The direct Triton launcher (VLLM_DDTREE_DIRECT_LAUNCH, default on): GPU tests both
-    # ways, the host cost of every wrapper with and without it, and engines with and
-    # without it side by side at batch 1 and 4 (twice the usual requests per cell).
+    # ways, and engines with and without it side by side at batch 1 and 4 (twice the
+    # usual requests per cell).
     prepare
     fused_tests
-    timeout 60 python3 bench/bench_host_overhead.py --device cuda --batch-sizes 1 16 --iters 1000 \
-      > "$OUT/host-overhead-gpu-direct.txt" 2>&1
-    echo "host overhead rc=$?"
     fixture_bench direct-launch 420 --configs ddtree-b64-t512+tritonlaunch ddtree-b64-t512 dflash \
       --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75
     ;;
@@ -386,40 +375,11 @@ case "$step" in
     fixture_bench flash-tree-long 560 --configs "${lconfigs[@]}" --prompt-sets sharegpt-long \
       --batch-sizes 1 4 16 --repeats 2 --min-requests 16 --time-budget-s 540 --engine-estimate-s 110
     ;;
-  graphmodes)
-    # Greedy tokens per CUDA-graph mode without speculation (each mode in its own
-    # process, compared with the first): bench/check_graph_mode_outputs.py. With the
-    # series, "full" should give eager's tokens (patch 10: FULL on FlashAttention becomes
-    # FULL_AND_PIECEWISE on the V2 runner). GRAPHMODES_PRISTINE=1: the series reverted
-    # first (vLLM as shipped; bench/results/2026-11-30-flash-attn-full-graphs-pristine-check/
-    # graph-mode-outputs-pristine.json: FULL wrong from the first token).
-    prepare
-    if [ -n "${GRAPHMODES_PRISTINE:-}" ]; then
-      ./apply.sh --site "$VLLM_SITE" --revert >> "$OUT/apply.log" 2>&1 || { echo "revert failed"; exit 1; }
-    fi
-    read -r -a gmodes <<< "${GRAPHMODES_MODES:-eager full default}"
-    timeout 420 python3 bench/check_graph_mode_outputs.py --model "$TARGET" --modes "${gmodes[@]}" \
-      --timeout-s 130 --out "$OUT/graph-mode-outputs.json" > "$OUT/graph-modes.log" 2>&1
-    echo "graph modes rc=$?"; tail -4 "$OUT/graph-modes.log"
-    ;;
-  jit)
-    # Kernels that compile after the start-up warm-up (bench/check_jit_during_serving.py):
-    # one engine per config, one wave at each batch size, half greedy and half sampled.
-    prepare
-    read -r -a jconfigs <<< "${JIT_CONFIGS:-ddtree-b64-t512}"
-    for config in "${jconfigs[@]}"; do
-      # shellcheck disable=SC2086  # JIT_BATCH_SIZES is a list
-      timeout 330 python3 bench/check_jit_during_serving.py --target "$TARGET" --drafter "$DRAFTER" \
-        --config "$config" --timeout-s 300 ${JIT_BATCH_SIZES:+--batch-sizes $JIT_BATCH_SIZES} \
-        --out "$OUT/jit-during-serving-${config//+/_}.json" > "$OUT/jit-${config//+/_}.txt" 2>&1
-      echo "jit $config rc=$?"; head -c 6000 "$OUT/jit-${config//+/_}.txt"
-    done
-    ;;
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
     # GAP_PROFILE_BATCH requests (in the engine rounds a drafting-off step cost what a
-    # plain one did at batch 4 and 0.3-0.6 ms more at 16); every other config is compared
-    # with the first.
+    # plain one did at batch 4 and 0.3-0.6 ms more at 16); one cProfile table per config
+    # in profile.tar.gz.
     prepare
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
@@ -437,11 +397,6 @@ case "$step" in
       echo "gap profile $config rc=$?"
     done
     grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
-    # Profile files name a config with "+" as "_" (bench/run.py file_stem).
-    for other in "${pconfigs[@]:1}"; do
-      python3 bench/compare_profiles.py "$OUT/profile/profile-${pconfigs[0]//+/_}-cprofile.txt" \
-        "$OUT/profile/profile-${other//+/_}-cprofile.txt" --top 25 | tee "$OUT/profile/compare-${other//+/_}.txt"
-    done
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
   profile)
@@ -457,6 +412,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong|graphmodes|jit" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|lossless|shapes|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
 esac
 done

@@ -367,21 +367,6 @@ def test_engine_process_option_sets_vllms_variable(monkeypatch, tmp_path):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
-def test_host_overhead_bench_runs(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_host_overhead.py"
-    proc = subprocess.run([sys.executable, str(script), "--batch-sizes", "1", "--iters", "3"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    names = {r["wrapper"] for r in rows}
-    assert {"walk", "tree_bias", "store_trees_by_state", "compaction_with_positions"} <= names
-    assert all(r["host_us_per_call"] > 0 for r in rows)
-
-
 def test_chrome_trace_summary_gives_gpu_busy_share_and_python_own_time():
     from bench.profile_step import summarize_chrome_trace
 
