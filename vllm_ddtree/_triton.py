@@ -160,7 +160,7 @@ def run_compiled(compiled: Any, grid: tuple, stream: int, args: tuple) -> None:
 class DirectLauncher:
     """``launcher[grid](*args, **kwargs)`` for one Triton kernel, like ``kernel[grid]``,
     without Triton's per-call Python path (binder, cache key, checks: ~15-18 us of host
-    time for a kernel of ~24 arguments on the GPU host, ``bench/bench_host_overhead.py``).
+    time for a kernel of ~24 arguments on the GPU host, ``host-overhead-gpu.txt``).
 
     The first launch with a given :func:`specialization_key` goes through Triton (which
     compiles if needed and returns the compiled kernel); later ones call the compiled
