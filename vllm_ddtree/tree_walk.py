@@ -198,8 +198,8 @@ def step_walk_outputs(num_requests: int, max_depth: int,
     on a 16-byte boundary whatever ``num_requests`` is.
 
     vLLM's JIT monitor (bench/results/2026-11-30-steady-plain-chain-trees-both-orders/)
-    saw the walk and vLLM's
-    ``_get_num_sampled_and_rejected_kernel`` and ``_post_update_kernel`` compile
+    saw the walk and vLLM's ``_get_num_sampled_and_rejected_kernel`` and
+    ``_post_update_kernel`` compile
     again at the first batch-1 step: the counts' second row began ``4 * num_requests``
     bytes in, off a 16-byte boundary unless ``num_requests`` is a multiple of 4 (the
     start-up warm-up's batch), so Triton built a second, unaligned specialisation
