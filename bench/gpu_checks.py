@@ -387,7 +387,7 @@ def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> lis
 def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> list[dict]:
     """For every first difference of a DDTree (or chain) run from the reference: the
     reference engine recomputes that position (prompt + the common prefix, one token,
-    the same seed and so the same noise key) with top-20 logprobs, and the margin by
+    the same seed and so the same noise key) with both tokens' logprobs, and the margin by
     which the reference's token beat the other one is computed from the logprobs
     (and, seeded, vLLM's own noise at that key). A margin within float32 rounding of
     the logits means the two engines' logits differed in their last bits at a near
@@ -413,7 +413,9 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
             if kw.pop("min_tokens", None):
                 continue  # the recomputation would need the output length too
             seed = 1000 + i if mode != "greedy" else None
-            sp = SamplingParams(max_tokens=1, logprobs=20, seed=seed, ignore_eos=True, **kw)
+            # The two tokens' logprobs by id: at T > 0 either may lie far outside a top-k.
+            sp = SamplingParams(max_tokens=1, logprob_token_ids=[ref_token, out_token],
+                                seed=seed, ignore_eos=True, **kw)
             got = llm.generate([{"prompt_token_ids": base + ref[:d]}], sp, use_tqdm=False)[0]
             lp = got.outputs[0].logprobs[0]
             entry = dict(config=run["config"], batch=run.get("batch"), sampling=mode,
@@ -421,7 +423,7 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
                          recomputed_token=got.outputs[0].token_ids[0])
             if ref_token not in lp or out_token not in lp:
                 entry["margin"] = None
-                entry["note"] = "a token outside the top 20 logprobs"
+                entry["note"] = "the engine returned no logprob for one of the two tokens"
                 found.append(entry)
                 continue
             temp = kw["temperature"]
