@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_ddtree.env import TRUE_WORDS, env_flag
+from vllm_ddtree import env
+from vllm_ddtree.env import TRUE_WORDS
 
 try:  # pragma: no cover - exercised implicitly by every Triton test
     import triton
@@ -81,12 +82,9 @@ def jit(fn: Callable[..., Any]) -> Any:
 # Triton's own launch path. On by default: the fused-kernel GPU tests
 # pass through it (bench/results/gpu-direct-launch-tests.log) and engines with and
 # without it accept identically (bench/results/bench-direct-launch.json.gz).
-DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
+DIRECT_LAUNCH_ENV = env.DIRECT_LAUNCH.name
+direct_launch_enabled = env.direct_launch_enabled
 logger = logging.getLogger("vllm.ddtree")
-
-
-def direct_launch_enabled() -> bool:
-    return env_flag(DIRECT_LAUNCH_ENV, default=True)
 
 
 def _int_width(v: int) -> str:

@@ -46,6 +46,8 @@ import logging
 import os
 from typing import Any
 
+from vllm_ddtree import env
+
 DDTREE_METHOD = "ddtree"
 # A child of vLLM's logger, so its messages reach vLLM's handlers and format.
 logger = logging.getLogger("vllm.ddtree")
@@ -653,20 +655,17 @@ def warn_if_trees_outgrow_cuda_graphs(vllm_config: Any) -> str | None:
 # Which backend verifies trees: the patched Triton unified attention (default), or
 # FlashAttention with the context / tree-suffix split (opt-in, route 2 of
 # docs/tree-attention.md).
-TREE_ATTENTION_ENV = "VLLM_DDTREE_TREE_ATTENTION"
+TREE_ATTENTION_ENV = env.TREE_ATTENTION.name
 TREE_ATTENTION_BACKENDS = {"triton": "TRITON_ATTN", "flash": "FLASH_ATTN"}
 TREE_ATTENTION_BACKEND = TREE_ATTENTION_BACKENDS["triton"]
 
 
 def tree_attention_backend() -> str:
     """The attention backend name DDTree verifies trees with (from the environment)."""
-    value = os.environ.get(TREE_ATTENTION_ENV, "triton").strip().lower()
-    if value not in TREE_ATTENTION_BACKENDS:
-        raise DDTreeConfigError(
-            f"{TREE_ATTENTION_ENV}={value!r}: choose one of "
-            f"{', '.join(sorted(TREE_ATTENTION_BACKENDS))}"
-        )
-    return TREE_ATTENTION_BACKENDS[value]
+    try:
+        return TREE_ATTENTION_BACKENDS[env.tree_attention_choice()]
+    except ValueError as exc:
+        raise DDTreeConfigError(str(exc)) from None
 
 
 def _select_tree_attention_backend(vllm_config: Any) -> None:

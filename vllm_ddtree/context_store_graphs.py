@@ -34,17 +34,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_ddtree.env import env_flag
+from vllm_ddtree import env
 
-CONTEXT_GRAPHS_ENV = "VLLM_DDTREE_CONTEXT_GRAPHS"
+CONTEXT_GRAPHS_ENV = env.CONTEXT_GRAPHS.name
+context_graphs_enabled = env.context_graphs_enabled
 # vLLM's PAD_SLOT_ID: KV-cache inserts skip negative slots.
 PAD_SLOT_ID = -1
 
 StoreFn = Callable[..., None]
-
-
-def context_graphs_enabled() -> bool:
-    return env_flag(CONTEXT_GRAPHS_ENV, default=True)
 
 
 def padded_graph_size(sizes: Sequence[int], num_tokens: int) -> int | None:

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import time
 from typing import Any
 
+from vllm_ddtree import env
 from vllm_ddtree.budget import (
     OPEN_END,
     batch_budget_schedule,
@@ -78,7 +78,7 @@ SPIN_SLACK_MS = 2.0
 CALIBRATION_CYCLES = 2_000_000
 # Where the engine core also writes the measurement as JSON (curve, token target,
 # schedule), e.g. for bench/run.py; the log line has the same.
-REPORT_ENV = "VLLM_DDTREE_COST_MODEL_REPORT"
+REPORT_ENV = env.COST_MODEL_REPORT.name
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -324,7 +324,7 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
               "spin_ms": round(spin_ms, 3),
               "max_slowdown": MAX_SLOWDOWN, "tokens_per_step": tokens,
               "budget_schedule": [list(r) for r in schedule]}
-    path = os.environ.get(REPORT_ENV)
+    path = env.cost_model_report_path()
     if path:
         with open(path, "w") as f:
             json.dump(report, f)

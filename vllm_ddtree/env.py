@@ -1,13 +1,59 @@
-"""On/off switches read from the environment (``VLLM_DDTREE_*``): one strict parser,
-so a mistyped value stops the engine with the variable's name instead of silently
-meaning "on"."""
+"""Every ``VLLM_DDTREE_*`` environment variable, declared once (:data:`SWITCHES`: name,
+type, default, what it does) and read only through the accessors below. On/off
+switches share one strict parser, so a mistyped value stops the engine with the
+variable's name instead of silently meaning "on". No other module of the package reads
+``os.environ`` for a ``VLLM_DDTREE_`` name (tests/unit/test_env.py checks it), and
+every switch has a row in docs/operations.md ("Environment variables")."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str  # "flag" (on/off), "choice" (one of ``choices``) or "path" (a file to write)
+    default: bool | str | None
+    doc: str
+    choices: tuple[str, ...] = ()
+
+
+FUSED_KERNELS = Switch(
+    "VLLM_DDTREE_FUSED_KERNELS", "flag", True,
+    "one Triton launch each for the tree bias, positions, walk, compaction and the "
+    "store by state; 0 selects the multi-launch paths (same results), e.g. to bisect")
+LEAN_DRAFT = Switch(
+    "VLLM_DDTREE_LEAN_DRAFT", "flag", False,
+    "the drafter computes logits and builds trees only as deep and wide as the step's "
+    "batch-aware budget needs (vllm_ddtree.budget.draft_shape)")
+CONTEXT_GRAPHS = Switch(
+    "VLLM_DDTREE_CONTEXT_GRAPHS", "flag", True,
+    "the drafter's context store replays CUDA graphs (vllm_ddtree.context_store_graphs); "
+    "0 keeps it eager")
+DIRECT_LAUNCH = Switch(
+    "VLLM_DDTREE_DIRECT_LAUNCH", "flag", True,
+    "per-step kernels launch through their compiled launcher after Triton's first "
+    "launch (vllm_ddtree._triton.DirectLauncher); 0 keeps Triton's launch path")
+TREE_ATTENTION = Switch(
+    "VLLM_DDTREE_TREE_ATTENTION", "choice", "triton",
+    "which attention backend verifies trees: the patched Triton unified attention or "
+    "the FlashAttention split (docs/tree-attention.md)", ("triton", "flash"))
+PROFILE = Switch(
+    "VLLM_DDTREE_PROFILE", "path", None,
+    "write per-stage GPU and host times of the speculator's steps to this JSON file "
+    "(vllm_ddtree.step_profile)")
+COST_MODEL_REPORT = Switch(
+    "VLLM_DDTREE_COST_MODEL_REPORT", "path", None,
+    'write the start-up measurement of ddtree_tokens_per_step="auto" to this JSON file '
+    "(vllm_ddtree.cost_model)")
+
+SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DIRECT_LAUNCH,
+                                TREE_ATTENTION, PROFILE, COST_MODEL_REPORT)
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -21,3 +67,49 @@ def env_flag(name: str, default: bool) -> bool:
     if value in FALSE_WORDS:
         return False
     raise ValueError(f"{name}={raw!r}: use 1 or 0 (or true/false, yes/no, on/off)")
+
+
+def _flag(switch: Switch) -> bool:
+    assert switch.kind == "flag" and isinstance(switch.default, bool)
+    return env_flag(switch.name, switch.default)
+
+
+def _path(switch: Switch) -> str | None:
+    assert switch.kind == "path"
+    return os.environ.get(switch.name) or None
+
+
+def fused_kernels_enabled() -> bool:
+    return _flag(FUSED_KERNELS)
+
+
+def lean_draft_enabled() -> bool:
+    return _flag(LEAN_DRAFT)
+
+
+def context_graphs_enabled() -> bool:
+    return _flag(CONTEXT_GRAPHS)
+
+
+def direct_launch_enabled() -> bool:
+    return _flag(DIRECT_LAUNCH)
+
+
+def tree_attention_choice() -> str:
+    """``triton`` or ``flash`` (case and spaces ignored); raises ``ValueError`` naming
+    the variable for anything else."""
+    raw = os.environ.get(TREE_ATTENTION.name)
+    value = raw.strip().lower() if raw is not None and raw.strip() else str(TREE_ATTENTION.default)
+    if value not in TREE_ATTENTION.choices:
+        raise ValueError(f"{TREE_ATTENTION.name}={value!r}: choose one of "
+                         f"{', '.join(sorted(TREE_ATTENTION.choices))}")
+    return value
+
+
+def profile_path() -> str | None:
+    return _path(PROFILE)
+
+
+def cost_model_report_path() -> str | None:
+    return _path(COST_MODEL_REPORT)
+

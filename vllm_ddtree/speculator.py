@@ -47,7 +47,7 @@ from vllm_ddtree.context_store_graphs import (
     padded_graph_size,
 )
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
-from vllm_ddtree.env import env_flag
+from vllm_ddtree import env
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -77,11 +77,8 @@ from vllm_ddtree.tree_walk import step_walk_outputs, walk_tree, walk_tree_fused
 # and the copy of the new trees into the by-state tables.
 # VLLM_DDTREE_FUSED_KERNELS=0 selects the earlier multi-launch torch/Triton paths
 # (same results), e.g. to bisect a problem.
-FUSED_KERNELS_ENV = "VLLM_DDTREE_FUSED_KERNELS"
-
-
-def fused_kernels_enabled() -> bool:
-    return env_flag(FUSED_KERNELS_ENV, default=True)
+FUSED_KERNELS_ENV = env.FUSED_KERNELS.name
+fused_kernels_enabled = env.fused_kernels_enabled
 
 
 # VLLM_DDTREE_LEAN_DRAFT=1: the drafter computes logits and builds trees only as deep
@@ -89,11 +86,8 @@ def fused_kernels_enabled() -> bool:
 # verified trees are the same up to top-K ties). Off by default: on the H200 with the
 # benchmark pair it made the batch-64 drafting stage slower, not faster (1.97 -> 3.43
 # ms p50, bench/results/2026-11-29-drafting-off-lean-drafting/), for a reason not yet found.
-LEAN_DRAFT_ENV = "VLLM_DDTREE_LEAN_DRAFT"
-
-
-def lean_draft_enabled() -> bool:
-    return env_flag(LEAN_DRAFT_ENV, default=False)
+LEAN_DRAFT_ENV = env.LEAN_DRAFT.name
+lean_draft_enabled = env.lean_draft_enabled
 
 
 # Under vLLM's logger, so its handler and level apply (a logger outside the "vllm"

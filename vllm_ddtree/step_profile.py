@@ -41,6 +41,8 @@ from collections import deque
 
 import torch
 
+from vllm_ddtree import env
+
 MARKS = ("verify", "sample", "walked", "propose", "compacted", "drafted")
 STAGES = (
     ("verify_forward", "verify", "sample"),
@@ -50,7 +52,7 @@ STAGES = (
     ("draft_tree", "compacted", "drafted"),
     ("to_propose", "verify", "propose"),
 )
-ENV = "VLLM_DDTREE_PROFILE"
+ENV = env.PROFILE.name
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -82,7 +84,7 @@ class StepProfiler:
 
     @classmethod
     def from_env(cls) -> "StepProfiler | None":
-        path = os.environ.get(ENV)
+        path = env.profile_path()
         return cls(path) if path else None
 
     def mark(self, name: str, num_reqs: int | None = None, with_prefill: bool = False,
