@@ -55,6 +55,7 @@ from vllm_ddtree.kv_compaction import (
     compact_kv_cache_,
 )
 from vllm_ddtree.kv_layout import check_tree_kv_layout
+from vllm_ddtree.reach_ins import check_reach_ins
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import (
     allocate_tree_attn_bias,
@@ -99,6 +100,9 @@ class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        # vLLM/Triton internals this package relies on still have their shape (once
+        # per process; vllm_ddtree/reach_ins.py).
+        check_reach_ins()
         # DraftModelSpeculator sizes draft_tokens by num_speculative_tokens = B, the
         # tree budget, which is what the runner schedules and stores per request.
         super().__init__(vllm_config, device)
