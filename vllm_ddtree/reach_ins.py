@@ -26,12 +26,12 @@ tests/unit/test_reach_ins.py.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
+import dis
 import importlib
 import inspect
 import re
-import textwrap
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -392,24 +392,44 @@ def _params(obj: Any) -> list[str]:
     return list(inspect.signature(obj).parameters)
 
 
-def _self_assigned(cls: type) -> set[str]:
-    """Attributes the methods of ``cls`` and its bases assign to ``self``."""
+def _stored_on_self(code: types.CodeType, self_name: str, wanted: set[str]) -> set[str]:
+    """Which of ``wanted`` ``self.<name> = ...`` stores in ``code`` and the code nested
+    in it (bytecode: parsing the source files would cost seconds at start-up)."""
+    names: set[str] = set()
+    if wanted & set(code.co_names):
+        previous = None
+        for ins in dis.get_instructions(code):
+            if (ins.opname == "STORE_ATTR" and ins.argval in wanted and previous is not None
+                    and previous.opname in ("LOAD_FAST", "LOAD_DEREF")
+                    and previous.argval == self_name):
+                names.add(ins.argval)
+            previous = ins
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_on_self(const, self_name, wanted)
+    return names
+
+
+def _self_assigned(cls: type, wanted: set[str]) -> set[str]:
+    """Which of ``wanted`` the methods of ``cls`` and its bases assign to ``self``."""
     names: set[str] = set()
     for klass in getattr(cls, "__mro__", ())[:-1]:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            targets = []
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-                targets = [node.target]
-            for t in targets:
-                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                        and t.value.id == "self"):
-                    names.add(t.attr)
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            if not isinstance(value, types.FunctionType):
+                continue
+            # A decorator's wrapper (vLLM's @support_torch_compile replaces __init__)
+            # holds the original in a closure cell or __wrapped__.
+            functions = {value, inspect.unwrap(value)} | {
+                cell.cell_contents for cell in value.__closure__ or ()
+                if isinstance(cell.cell_contents, types.FunctionType)}
+            for fn in functions:
+                code = fn.__code__
+                if code.co_argcount:
+                    names |= _stored_on_self(code, code.co_varnames[0], wanted)
     return names
 
 
@@ -440,7 +460,7 @@ def _missing_attributes(obj: Any, names: tuple) -> list[str]:
     have = _declared(obj)
     missing = [n for n in missing if n not in have]
     if missing:
-        assigned = _self_assigned(obj if isinstance(obj, type) else type(obj))
+        assigned = _self_assigned(obj if isinstance(obj, type) else type(obj), set(missing))
         missing = [n for n in missing if n not in assigned]
     return missing
 

@@ -86,6 +86,7 @@ def test_attributes_assigned_in_a_base_init_count():
     ok = ReachIn(__name__, "", "attributes", ("PACKAGE",), "t", "t", "t")
     assert reach_in_problems((ok,)) == []
     found = reach_ins._missing_attributes(Child, ("assigned", "never_assigned"))
+    assert reach_ins._missing_attributes(Child(), ("assigned",)) == []
     assert found == ["never_assigned"]
 
 
