@@ -164,6 +164,7 @@ def test_speculator_prepare_and_restore(triton_device, fused):
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU set-up
     spec.profiler = None
+    spec._pending_compaction = False
     spec.fused_kernels = fused
     spec.tree_depth = n_nodes - 1
     spec.depths_by_state = depths.to(dev)
@@ -210,6 +211,7 @@ def test_one_token_per_request_leaves_the_bias_alone(monkeypatch):
                         lambda *a: writes.append(a))
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.profiler, spec.fused_kernels, spec.tree_depth = None, True, 4
+    spec._pending_compaction = False
     spec.tree_attn_bias = spec.parents_by_state = torch.zeros(1)
     spec._verified_rows = "stale"
     decodes = types.SimpleNamespace(num_reqs=3, num_tokens=3, num_draft_tokens=0,
