@@ -138,14 +138,18 @@ SAMPLING_MODES = {
 }
 
 
+def request_seed(mode: str, request: int) -> int | None:
+    """The seed of request ``request`` (its index in the prompt list) in ``mode``."""
+    return None if mode == "greedy" else 1000 + request
+
+
 def sampling_params(mode: str, n: int, max_tokens: int, first: int = 0) -> list:
     """One SamplingParams per request for sampling ``mode`` (requests first, first+1...)."""
     from vllm import SamplingParams
 
     kw = SAMPLING_MODES[mode]
-    seeded = mode != "greedy"
     return [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                           seed=1000 + first + i if seeded else None, **kw) for i in range(n)]
+                           seed=request_seed(mode, first + i), **kw) for i in range(n)]
 
 
 def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):
@@ -172,8 +176,6 @@ def _spec_stats(llm) -> dict:
 def run_equiv(args) -> dict:
     """DDTree (and the chain) == decoding without speculation on tiny random targets
     (dummy weights) of each ``--target-shapes`` shape, greedy and seeded."""
-    import vllm
-
     dummy = args.target is None
     if args.prompts:
         with open(args.prompts) as f:
@@ -183,9 +185,7 @@ def run_equiv(args) -> dict:
         prompts = _prompts(args.num_prompts)
     tp = int(os.environ.get("DDTREE_CHECK_TP", "1"))
     results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, sampling=args.sampling,
-                   vllm_version=vllm.__version__, git_rev=_git_rev(),
-                   code_digest=_code_digest(), tp=tp,
-                   max_tokens=args.max_tokens, runs=[], cases=[])
+                   **_provenance(), tp=tp, max_tokens=args.max_tokens, runs=[], cases=[])
     shapes = args.target_shapes if dummy else [None]
     for shape in shapes:
         if dummy:
@@ -224,17 +224,12 @@ def run_equiv(args) -> dict:
                                      batch=bs, sampling=m, seconds=round(secs, 3),
                                      **_compare(out, ref[m, bs]))
                         results["runs"].append(entry)
-                        kw = SAMPLING_MODES[m]
-                        results["cases"].append(dict(
-                            target=name, method=method, config=f"{method}-{budget}",
-                            vllm_version=results["vllm_version"], dtype=args.dtype,
-                            graphs=not eager, batch=bs, temperature=kw["temperature"],
-                            top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=m != "greedy",
-                            sampling=m,
-                            scenario="random-prompts", tp=tp, executor=os.environ.get(
-                                "DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni"),
+                        results["cases"].append(case_row(
+                            results, target=name, config=f"{method}-{budget}", graphs=not eager,
+                            batch=bs, sampling=m, scenario="random-prompts",
                             identical=entry["identical_outputs"], total=entry["num_outputs"],
-                            max_tokens=args.max_tokens, git_rev=results["git_rev"]))
+                            tp=tp, executor=os.environ.get(
+                                "DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni")))
                         print(json.dumps(entry), flush=True)
                         with open(args.out, "w") as f:  # what a stopped run measured
                             json.dump(dict(results, complete=False, command=" ".join(sys.argv)),
@@ -278,6 +273,8 @@ def differences(out: list[list[int]], ref: list[list[int]], context: int = 3) ->
         lo = max(0, d - context)
         found.append(dict(
             request=i, token=d, output=a[lo:d + context + 1], reference=b[lo:d + context + 1],
+            output_token=a[d] if d < len(a) else None,
+            reference_token=b[d] if d < len(b) else None,
             dropped_one=a[d:d + 2] == b[d + 1:d + 3] and len(a) > d + 1,
             repeated_one=a[d + 1:d + 3] == b[d:d + 2] and len(b) > d + 1,
         ))
@@ -324,36 +321,35 @@ def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
     config = entry["config"]
     scenario = ("preempt" if config.endswith("preempt") else
                 "aborts" if config.endswith("aborts") else config.split("-", 1)[1])
+    return case_row(results, target=results["target_name"], config=config,
+                    graphs=not results["eager"], batch=entry["batch"], sampling=sampling,
+                    scenario=scenario, identical=entry["identical_outputs"],
+                    total=entry["num_outputs"], prompt_set=results["prompt_set"],
+                    batch_invariant=results["batch_invariant"])
+
+
+def _provenance() -> dict:
+    """What ran: vLLM's version, git_rev, and the digest of the files that ran (a
+    copied working tree may carry a stale .git, so git_rev alone does not say)."""
+    import vllm
+
+    from bench.run import code_digest, git_rev
+
+    return dict(vllm_version=vllm.__version__, git_rev=git_rev(), code_digest=code_digest())
+
+
+def case_row(results: dict, *, target: str, config: str, graphs: bool, batch: int,
+             sampling: str, scenario: str, identical: int, total: int, **extra) -> dict:
+    """One row of bench/results/equivalence.json (bench/equivalence.py gathers them)."""
     kw = SAMPLING_MODES[sampling]
-    return dict(
-        target=results["target_name"], method="dflash" if config.startswith("dflash") else
-        ("no-spec" if config.startswith("no-spec") else "ddtree"),
-        config=config, vllm_version=results["vllm_version"], dtype=results["dtype"],
-        graphs=not results["eager"], batch=entry["batch"], temperature=kw["temperature"],
-        top_k=kw.get("top_k"), top_p=kw.get("top_p"), seeded=sampling != "greedy",
-        sampling=sampling,
-        scenario=scenario, identical=entry["identical_outputs"], total=entry["num_outputs"],
-        prompt_set=results["prompt_set"], max_tokens=results["max_tokens"],
-        batch_invariant=results["batch_invariant"], git_rev=results.get("git_rev"),
-    )
-
-
-def _code_digest() -> str:
-    """The digest of the files that ran (bench.run.code_digest): a copied working tree
-    may carry a stale .git, so git_rev alone does not say what ran."""
-    from bench.run import code_digest
-
-    return code_digest()
-
-
-def _git_rev() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    method = ("dflash" if config.startswith("dflash") else
+              "no-spec" if config.startswith("no-spec") else "ddtree")
+    return dict(target=target, method=method, config=config,
+                vllm_version=results["vllm_version"], dtype=results["dtype"], graphs=graphs,
+                batch=batch, temperature=kw["temperature"], top_k=kw.get("top_k"),
+                top_p=kw.get("top_p"), seeded=sampling != "greedy", sampling=sampling,
+                scenario=scenario, identical=identical, total=total,
+                max_tokens=results["max_tokens"], git_rev=results["git_rev"], **extra)
 
 
 def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> list[float]:
@@ -401,18 +397,15 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
         mode = run.get("sampling", "greedy")
         for diff in run.get("differences", []) or []:
             i, d = diff["request"], diff["token"]
-            ref = run["reference_tokens"][i] if "reference_tokens" in run else None
-            if ref is None:
-                continue
-            out_token = diff["output"][d - max(0, d - 3)] if d - max(0, d - 3) < len(diff["output"]) else None
-            ref_token = ref[d]
-            if out_token is None:
-                continue
+            ref = run.get("reference_tokens", {}).get(i)
+            out_token, ref_token = diff["output_token"], diff["reference_token"]
+            if ref is None or out_token is None or ref_token is None:
+                continue  # a length difference has no competing token
             base = prompts[i]["prompt_token_ids"]
             kw = dict(SAMPLING_MODES[mode])
             if kw.pop("min_tokens", None):
                 continue  # the recomputation would need the output length too
-            seed = 1000 + i if mode != "greedy" else None
+            seed = request_seed(mode, i)
             # The two tokens' logprobs by id: at T > 0 either may lie far outside a top-k.
             sp = SamplingParams(max_tokens=1, logprob_token_ids=[ref_token, out_token],
                                 seed=seed, ignore_eos=True, **kw)
@@ -446,7 +439,7 @@ def run_equiv_real(args) -> dict:
     default), greedy and seeded (per-request seeds, T > 0): async and sync scheduling,
     a batch-aware budget, KV-cache pressure that forces preemption, and requests
     aborted mid-way. The DFlash chain runs the same cases as a control."""
-    import vllm
+    from bench.run import engine_environment
 
     target, drafter = args.target, args.drafter
     n = max(args.batch_sizes)
@@ -454,9 +447,9 @@ def run_equiv_real(args) -> dict:
     eager = args.eager_modes[0]
     results = dict(mode="equiv-real", target=target, drafter=drafter, dtype=args.dtype,
                    eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
-                   sampling=args.sampling, vllm_version=vllm.__version__,
+                   sampling=args.sampling, **_provenance(),
                    target_name=args.target_name or os.path.basename(target.rstrip("/")),
-                   git_rev=_git_rev(), code_digest=_code_digest(), runs=[], cases=[])
+                   runs=[], cases=[])
     results["batch_invariant"] = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     wanted = set(args.variants or EQUIV_REAL_VARIANTS)
 
@@ -508,20 +501,13 @@ def run_equiv_real(args) -> dict:
             continue
         method = "dflash" if name.startswith("dflash") else "ddtree"
         spec = dict(method=method, model=drafter, **spec_extra)
-        saved_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
-                          **engine_kw)
+            with engine_environment(env):
+                llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
+                              **engine_kw)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
             continue
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         async_on = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         for m in modes:
             for bs in args.batch_sizes:

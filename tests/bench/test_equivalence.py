@@ -18,6 +18,7 @@ def test_differences_name_the_first_differing_token_and_a_dropped_token():
     assert found[0]["dropped_one"] and not found[0]["repeated_one"]
     assert not found[1]["dropped_one"]
     assert found[0]["output"] == [1, 2, 4, 5, 9, 9] and found[0]["reference"] == ref[1]
+    assert (found[0]["output_token"], found[0]["reference_token"]) == (4, 3)
 
 
 def test_a_repeated_token_is_named_too():
