@@ -604,7 +604,15 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 # ----------------------------------------------------------------------------- prompts
 PROMPT_FILES = {"humaneval": "humaneval.jsonl", "sharegpt": "sharegpt_bench.jsonl",
-                "sharegpt-long": "sharegpt_bench.jsonl"}
+                "sharegpt-long": "sharegpt_bench.jsonl",
+                "sharegpt-untrained": "sharegpt_train.jsonl"}
+# sharegpt-untrained: the held-out set of the never-slower-than-plain-decoding results
+# (bench/results/goals.json), fixed before the online budget controller was tuned and
+# read only by final runs. ShareGPT first turns of the *training* split that the
+# committed drafter never saw: its training kept prompts of at most
+# DRAFTER_TRAINING_PROMPT_TOKENS (bench/results/drafter-training/train.log), these are
+# longer (up to 768), and no benchmark before used them.
+DRAFTER_TRAINING_PROMPT_TOKENS = 384
 # sharegpt-long: held-out ShareGPT requests joined into one request of this many
 # prompt tokens (chat template included), for attention over long contexts; with 128
 # new tokens and a tree of up to 65 it stays inside --max-model-len 2048.
@@ -624,7 +632,8 @@ def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: i
                      seed: int = 0) -> dict[str, list[list[int]]]:
     """Token ids per prompt set: the chat template applied to each prompt, as in
     training (``bench.fixture.train_dflash_drafter.Target.encode_chat``); prompts of
-    at most 768 tokens, except ``sharegpt-long`` (:data:`LONG_PROMPT_TOKENS`)."""
+    at most 768 tokens, except ``sharegpt-long`` (:data:`LONG_PROMPT_TOKENS`); those of
+    ``sharegpt-untrained`` are longer than the drafter's training prompts."""
     sets: dict[str, list[list[int]]] = {}
     for name in names:
         if name == "random":
@@ -643,9 +652,10 @@ def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: i
             raise SystemExit(f"{path} is missing (python -m bench.fixture.prompts builds it)")
         with open(path, encoding="utf-8") as f:
             texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+        shortest = DRAFTER_TRAINING_PROMPT_TOKENS + 1 if name == "sharegpt-untrained" else 0
         ids = (_long_prompts(tokenizer, texts, limit) if name == "sharegpt-long"
                else list(itertools.islice((out for out in (_chat_ids(tokenizer, t) for t in texts)
-                                           if len(out) <= 768), limit)))
+                                           if shortest <= len(out) <= 768), limit)))
         sets[name] = ids
     return sets
 
