@@ -185,3 +185,15 @@ def knee_tokens(points: list[tuple[float, float]], max_slowdown: float = 1.15) -
             break
         knee = tokens
     return int(knee)
+
+
+def table_ranges(table: list[int]) -> str:
+    """A lookup by batch size as ranges: ``[0, 64, 64, 32]`` (index 0 unused) ->
+    ``"1-2: 64, 3: 32"``."""
+    parts, start = [], 1
+    for n in range(2, len(table) + 1):
+        if n == len(table) or table[n] != table[start]:
+            parts.append(f"{start}-{n - 1}: {table[start]}" if n - 1 > start
+                         else f"{start}: {table[start]}")
+            start = n
+    return ", ".join(parts)

@@ -1,6 +1,7 @@
 """Online tree-budget controller: each step's budget from measured acceptance and cost.
 
-Not wired into the engine yet (docs/operations.md, "The online budget controller").
+The engine runs one beside its scheduler (:mod:`vllm_ddtree.online_budget`;
+docs/operations.md, "The online budget controller").
 
 The batch-aware budget of :mod:`vllm_ddtree.budget` is fixed at start-up: a table
 from batch size to tree budget, chosen from the target's forward alone. What a tree
@@ -50,9 +51,13 @@ prefilled (``prefill_tokens > 0``) feed acceptance but not cost.
 **Decision.** Every ``refresh_steps`` observed steps (and when a probe ends), for each
 bucket that saw steps since: the best budget by the formula above, at the bucket's
 mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
-bucket's largest batch are never chosen. Hysteresis: the choice changes only when the
+bucket's largest batch, or above ``max_budget_by_batch`` (a cap by batch size, e.g.
+the user's ``ddtree_tokens_per_step`` schedule) anywhere in the bucket, are never
+chosen. Hysteresis: the choice changes only when the
 best beats the current by more than ``margin`` (5 %) and the current has been held
-for ``min_hold_steps`` (32) of the bucket's steps. Between refreshes a decision is a
+for ``min_hold_steps`` (32) of the bucket's steps; a bucket that switches back to the
+budget it just left (two budgets within noise of each other) doubles its margin each
+time, up to 8x, so it settles instead of flapping. Between refreshes a decision is a
 list lookup (:meth:`BudgetController.budget_for`, :meth:`BudgetController.budget_table`).
 
 **Exploration.** A bucket that is off (budget 0) measures no acceptance, so it probes:
@@ -60,9 +65,10 @@ after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at le
 ``probe_steps`` (8) steps and ``probe_requests`` (64) tree-verifying requests, then
 decides with the new data. Drafting comes back on only on a measured lower bound (a
 budget accepts at least what a smaller one just measured), never on an extrapolation
-of a short probe. A bucket that drafts probes the next allowed budget above and below
-its choice in turn (``probe_when_drafting``), so a pessimistic prior or a drift is
-corrected. A probe that changes nothing doubles the interval (from
+of a short probe. A bucket that drafts probes, in turn, budget 0 (what a step costs
+without drafting is what no drafting step's time tells: the drafter's share), and the
+next allowed budget above and below its choice (``probe_when_drafting``), so a
+pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that changes nothing doubles the interval (from
 ``probe_interval_min`` = 32 up to ``probe_interval_max`` = 1024 of the bucket's steps);
 a change of choice resets it. So a workload change is noticed within about
 ``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
@@ -96,6 +102,10 @@ Curve = Union[float, int, Mapping[int, float], Callable[[int], float]]
 # A cell's decayed weight below this does not count as a measurement for the shape
 # (slow) ratios, nor as an anchor for inference.
 MIN_WEIGHT = 1.0
+# A switch back to the budget left within this many of a bucket's steps counts as a
+# flap and doubles the bucket's margin, up to MAX_MARGIN_SCALE times the margin.
+FLAP_WINDOW_STEPS = 2048
+MAX_MARGIN_SCALE = 8.0
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
 
@@ -235,8 +245,9 @@ class _Cell:
 class _Bucket:
     __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
                  "choice", "since_switch", "since_probe", "probe_interval", "probing",
-                 "probe_done", "probe_requests", "probe_seen", "probe_up", "dirty",
-                 "steps", "switches", "probes", "estimate")
+                 "probe_done", "probe_requests", "probe_seen", "probe_turn", "dirty",
+                 "steps", "switches", "probes", "estimate", "margin_scale", "left",
+                 "left_at")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
@@ -251,10 +262,16 @@ class _Bucket:
         self.probe_interval = probe_interval
         self.probing: int | None = None  # the budget being probed
         self.probe_done = self.probe_requests = self.probe_seen = 0
-        self.probe_up = True  # direction of the next probe while drafting
+        self.probe_turn = 0  # while drafting: probe off, above, below in turn
         self.dirty = False
         self.steps = self.switches = self.probes = 0
         self.estimate: dict | None = None
+        # Damping: a switch back to the budget just left (within FLAP_WINDOW_STEPS of
+        # the bucket's steps) doubles the margin this bucket needs, up to
+        # MAX_MARGIN_SCALE times; a switch to any other budget resets it.
+        self.margin_scale = 1.0
+        self.left: int | None = None
+        self.left_at = 0
 
 
 class BudgetController:
@@ -275,6 +292,7 @@ class BudgetController:
         max_batch_size: int = 1024,
         levels: Sequence[int] | None = None,
         max_verified_tokens: int | None = None,
+        max_budget_by_batch: Sequence[int] | None = None,
         prior_accepted: Curve | None = None,
         half_life_steps: float = 64.0,
         shape_half_life_steps: float = 2048.0,
@@ -313,6 +331,10 @@ class BudgetController:
         self.max_batch_size = int(max_batch_size)
         self.startup_cost = startup_cost
         self.max_verified_tokens = max_verified_tokens
+        if max_budget_by_batch is not None and len(max_budget_by_batch) < 2:
+            raise ValueError("max_budget_by_batch is indexed by batch size (index 0 unused)")
+        self.max_budget_by_batch = (None if max_budget_by_batch is None
+                                    else [int(b) for b in max_budget_by_batch])
         self.prior_accepted: Curve = (prior_accepted if prior_accepted is not None
                                       else (lambda b: 0.4 * math.log2(1 + b)))
         self.half_life = float(half_life_steps)
@@ -456,7 +478,12 @@ class BudgetController:
 
     def _allowed(self, bk: _Bucket) -> list[bool]:
         cap = self.max_verified_tokens
-        return [b == 0 or cap is None or bk.hi * (b + 1) <= cap for b in self.levels]
+        caps = self.max_budget_by_batch
+        # The smallest cap over the bucket's batch sizes (a table given by batch size).
+        top = (None if caps is None
+               else min(caps[min(n, len(caps) - 1)] for n in range(bk.lo, bk.hi + 1)))
+        return [b == 0 or ((cap is None or bk.hi * (b + 1) <= cap)
+                           and (top is None or b <= top)) for b in self.levels]
 
     def _refresh(self, i: int) -> bool:
         bk = self._buckets[i]
@@ -474,7 +501,7 @@ class BudgetController:
                 bk.probes += 1
                 return self._set(i, target)
         if best != cur and bk.since_switch >= self.min_hold and \
-                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
+                scores[self._index[best]] > (1.0 + self.margin * bk.margin_scale) * scores[self._index[cur]]:
             self._switch(bk, best)
             return self._set(i, best)
         return False
@@ -489,12 +516,17 @@ class BudgetController:
         if not self.probe_when_drafting:
             return None
         up = [b for b in allowed if b > bk.choice]
-        down = [b for b in allowed if b < bk.choice]
-        order = [min(up) if up else None, max(down) if down else None]
-        if not bk.probe_up:
-            order.reverse()
-        bk.probe_up = not bk.probe_up
-        return order[0] if order[0] is not None else order[1]
+        down = [b for b in allowed if 0 < b < bk.choice]
+        # Off first: what a step costs without drafting is what a drafting step's
+        # measured time cannot tell (the drafter's share of it), and it decides
+        # whether speculation pays at all.
+        order = [0, min(up) if up else None, max(down) if down else None]
+        k = bk.probe_turn % 3
+        bk.probe_turn += 1
+        for target in order[k:] + order[:k]:
+            if target is not None:
+                return target
+        return None
 
     def _end_probe(self, i: int) -> bool:
         """A probe's data is in: switch if the bucket's best now beats its choice by
@@ -509,13 +541,18 @@ class BudgetController:
         if cur == 0:  # on again only on measured evidence
             scores, best = est["scores_lower"], est["best_lower"]
         if best != cur and \
-                scores[self._index[best]] > (1.0 + self.margin) * scores[self._index[cur]]:
+                scores[self._index[best]] > (1.0 + self.margin * bk.margin_scale) * scores[self._index[cur]]:
             self._switch(bk, best)
             return self._set(i, best)
         bk.probe_interval = min(2 * bk.probe_interval, self.probe_interval_max)
         return self._set(i, cur)
 
     def _switch(self, bk: _Bucket, budget: int) -> None:
+        if budget == bk.left and bk.steps - bk.left_at <= FLAP_WINDOW_STEPS:
+            bk.margin_scale = min(2.0 * bk.margin_scale, MAX_MARGIN_SCALE)
+        elif budget != bk.left:
+            bk.margin_scale = 1.0
+        bk.left, bk.left_at = bk.choice, bk.steps
         bk.choice = budget
         bk.since_switch = 0
         bk.since_probe = 0

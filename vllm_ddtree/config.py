@@ -37,6 +37,12 @@ Options (fields of vLLM's ``SpeculativeConfig``):
     Optional: from this many running requests on, steps decode without drafts (budget
     0), e.g. where the benchmark shows plain decoding ahead. Combines with
     ``ddtree_tokens_per_step``; needs asynchronous scheduling.
+``ddtree_online_budget``
+    Default on (with asynchronous scheduling and one data-parallel engine): each
+    step's budget, down to 0 (no drafting), is chosen by a controller from the
+    acceptance and step times the engine measures (:mod:`vllm_ddtree.online_budget`);
+    the schedules above become caps by batch size. ``false``: every step verifies the
+    configured budget (or schedule).
 """
 
 from __future__ import annotations
@@ -185,6 +191,10 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             "both (the first computes the second; give a budget-0 range in the "
             "schedule itself)."
         )
+    online = getattr(spec_config, "ddtree_online_budget", None)
+    if online not in (None, True, False):
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_online_budget must be true or false, got {online!r}.")
     if auto:
         # Replaced at start-up by the measured one (vllm_ddtree.cost_model).
         spec_config.num_speculative_tokens_per_batch_size = provisional_schedule(
@@ -194,6 +204,11 @@ def resolve_ddtree_options(spec_config: Any) -> None:
         spec_config.num_speculative_tokens_per_batch_size = batch_budget_schedule(
             tokens_per_step, budget, first_disabled
         )
+    elif online is not False and getattr(
+            spec_config, "num_speculative_tokens_per_batch_size", None) is None:
+        # The online controller (vllm_ddtree.online_budget) steers vLLM's dynamic
+        # speculative decoding; with no cap given, the full budget caps every batch size.
+        spec_config.num_speculative_tokens_per_batch_size = provisional_schedule(budget, None)
 
     spec_config.ddtree_max_depth = depth
     spec_config.ddtree_top_k = top_k
@@ -296,6 +311,44 @@ def resolve_ddtree_batch_defaults(
         f"({slots} x {max_num_seqs} = {reserved}). Set " + " or ".join(ways)
         + ", or leave max_num_batched_tokens unset so that DDTree sizes it."
     )
+
+
+def _resolve_online_budget(vllm_config: Any) -> None:
+    """``ddtree_online_budget``: None (the default) becomes True where the controller
+    can run (asynchronous scheduling, one data-parallel engine), else False with a log
+    line; True where it cannot is an error naming why."""
+    from vllm_ddtree.cost_model import provisional_schedule
+
+    spec = vllm_config.speculative_config
+    online = getattr(spec, "ddtree_online_budget", None)
+    if online is False:
+        return
+    scheduler = vllm_config.scheduler_config
+    parallel = vllm_config.parallel_config
+    why = None
+    if scheduler is not None and not scheduler.async_scheduling:
+        why = ("needs asynchronous scheduling (with the V2 model runner only the async "
+               "scheduler schedules fewer draft tokens than num_speculative_tokens)")
+    elif getattr(parallel, "data_parallel_size", 1) > 1:
+        why = (f"does not run with data parallelism (data_parallel_size="
+               f"{parallel.data_parallel_size}): vLLM turns dynamic speculative decoding "
+               "off there, since ranks choosing different budgets would diverge")
+    if why is None:
+        spec.ddtree_online_budget = True
+        return
+    if online is True:
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_online_budget {why}; set ddtree_online_budget=false or "
+            "change that setting.")
+    spec.ddtree_online_budget = False
+    # The full-budget cap the controller would have steered is no schedule at all.
+    if (getattr(spec, "ddtree_tokens_per_step", None) is None
+            and getattr(spec, "ddtree_disable_by_batch_size", None) is None
+            and spec.num_speculative_tokens_per_batch_size
+            == provisional_schedule(spec.num_speculative_tokens, None)):
+        spec.num_speculative_tokens_per_batch_size = None
+    logger.info("ddtree: the online tree budget is off: it %s; every step verifies "
+                "the configured budget.", why)
 
 
 def is_auto_tokens_per_step(spec_config: Any) -> bool:
@@ -500,6 +553,7 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
     _select_tree_attention_backend(vllm_config)
 
     scheduler = vllm_config.scheduler_config
+    _resolve_online_budget(vllm_config)
     if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None and (
         scheduler is not None and not scheduler.async_scheduling
     ):

@@ -285,12 +285,28 @@ def apply_budget_schedule(worker: Any, schedule: list[tuple[int, int, int]]) -> 
         refresh()
 
 
+# The engine core's last measurement, {tokens: GPU ms}: the online budget controller's
+# cost model (vllm_ddtree.online_budget), read when the scheduler is built next.
+_MEASURED_FORWARD_MS: dict[int, float] | None = None
+
+
+def measured_forward_ms() -> dict[int, float] | None:
+    """The target's forward time by token count measured at this engine's start-up
+    (None before, or when nothing was measured)."""
+    return None if _MEASURED_FORWARD_MS is None else dict(_MEASURED_FORWARD_MS)
+
+
 def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
     """Engine-core side, called between memory profiling and KV-cache creation: for a
-    ``ddtree_tokens_per_step="auto"`` engine, measure, choose and apply the schedule;
-    returns the chosen token target (None for any other engine)."""
+    ``ddtree_tokens_per_step="auto"`` engine, measure, choose and apply the schedule
+    and return the chosen token target; for an engine with the online budget
+    controller only measure (its cost model); None for any other engine."""
+    global _MEASURED_FORWARD_MS
+    from vllm_ddtree.online_budget import online_budget_on
+
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or not is_auto(getattr(spec, "ddtree_tokens_per_step", None)):
+    auto = spec is not None and is_auto(getattr(spec, "ddtree_tokens_per_step", None))
+    if not auto and not online_budget_on(spec):
         return None
     budget = spec.num_speculative_tokens
     sched = vllm_config.scheduler_config
@@ -310,11 +326,23 @@ def measure_tokens_per_step(engine_core: Any, vllm_config: Any) -> int | None:
                 "(a host sync in the forward, or more launches than the GPU's queue holds)")
         tokens = max(2, knee_tokens(list(forward_ms.items()), MAX_SLOWDOWN))
     except Exception as exc:
+        if not auto:
+            # The controller only loses its start-up curve (it corrects a generic one
+            # from measured steps); "auto" cannot choose without it.
+            logger.warning("DDTree online budget: the start-up measurement of the "
+                           "target's forward failed (%r); starting from a generic cost "
+                           "curve", exc)
+            return None
         raise RuntimeError(
             f'ddtree_tokens_per_step="auto": measuring the target\'s forward at '
             f"{counts} tokens failed ({exc!r}); set ddtree_tokens_per_step to a number "
             "instead (docs/operations.md, 'Choosing the budget')."
         ) from exc
+    _MEASURED_FORWARD_MS = dict(forward_ms)
+    if not auto:
+        logger.info("DDTree online budget: target forward by tokens (GPU ms, kernels back "
+                    "to back) %s", {n: round(t, 3) for n, t in sorted(forward_ms.items())})
+        return None
     schedule = batch_budget_schedule(tokens, budget,
                                       getattr(spec, "ddtree_disable_by_batch_size", None))
     spec.num_speculative_tokens_per_batch_size = schedule

@@ -52,8 +52,14 @@ COST_MODEL_REPORT = Switch(
     'write the start-up measurement of ddtree_tokens_per_step="auto" to this JSON file '
     "(vllm_ddtree.cost_model)")
 
+BUDGET_REPORT = Switch(
+    "VLLM_DDTREE_BUDGET_REPORT", "path", None,
+    "rewrite the online budget controller's state (chosen budget and measured "
+    "acceptance and step time per budget, by batch size) to this JSON file whenever "
+    "it is logged (vllm_ddtree.online_budget)")
+
 SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DIRECT_LAUNCH,
-                                TREE_ATTENTION, PROFILE, COST_MODEL_REPORT)
+                                TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -113,3 +119,6 @@ def profile_path() -> str | None:
 def cost_model_report_path() -> str | None:
     return _path(COST_MODEL_REPORT)
 
+
+def budget_report_path() -> str | None:
+    return _path(BUDGET_REPORT)

@@ -40,7 +40,8 @@ from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
-from vllm_ddtree.budget import draft_shape, drafting_budgets
+from vllm_ddtree.budget import draft_shape, drafting_budgets, table_ranges
+from vllm_ddtree.online_budget import online_budget_on
 from vllm_ddtree.context_store_graphs import (
     ContextStoreGraphs,
     context_graphs_enabled,
@@ -158,7 +159,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Budget to draft for, by the batch size the drafter runs at (None: always the
         # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
+        self.online_budget = online_budget_on(spec)
         self.refresh_budget_schedule()
+        # The budget the scheduler verifies after this step (its
+        # num_spec_tokens_to_schedule, handed over by prepare_tree_verification):
+        # 0 means no drafts are verified next, so none are drafted.
+        self._next_budget = self.tree_budget
         # True while propose() runs for memory profiling: draft the full tree there,
         # so the profile sees the largest drafting buffers.
         self._profiling_draft = False
@@ -197,13 +203,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             vllm_max_batch_size=self.max_num_reqs,
             vllm_num_speculative_tokens=self.tree_budget,
         )
-
-    def _scheduled_budget(self, num_reqs: int) -> int:
-        """The tree budget the scheduler verifies after a step of ``num_reqs``
-        requests (async scheduling places K(num_reqs) draft slots for the next step)."""
-        if self._budget_by_batch is None:
-            return self.tree_budget
-        return self._budget_by_batch[min(num_reqs, self.max_num_reqs)]
 
     def _store_drafter_context_only(
         self,
@@ -343,9 +342,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         start-up (``ddtree_tokens_per_step="auto"``, :mod:`vllm_ddtree.cost_model`),
         before the graphs are captured."""
         self._budget_by_batch = self._scheduler_budget_lookup(self.vllm_config)
+        # With the online controller any batch size may verify any level, so the
+        # drafter drafts the full tree (lean drafting follows a fixed table only).
         self._drafting_budget = (
             drafting_budgets(self._budget_by_batch, [])
             if self._budget_by_batch is not None and lean_draft_enabled()
+            and not self.online_budget
             else None
         )
 
@@ -375,7 +377,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
             logger.info(
                 "DDTree: drafting budget by batch size (drafter graphs included): %s",
-                _ranges(self._drafting_budget),
+                table_ranges(self._drafting_budget),
             )
 
     def capture(self) -> None:
@@ -424,14 +426,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         target's tokens, at the runner's positions and the drafter groups' slots the
         runner computed (padded). None without such batch sizes or without the
         drafter's combine of auxiliary hidden states."""
-        if self._budget_by_batch is None or 0 not in self._budget_by_batch[1:]:
+        if not self.online_budget and (
+                self._budget_by_batch is None or 0 not in self._budget_by_batch[1:]):
             return None
         inner = getattr(self.model, "model", None)
         fc = getattr(inner, "fc", None)
         width = getattr(fc, "input_size", None)
         if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
             return None
-        first_off = self._budget_by_batch.index(0, 1)
+        # The online controller may turn drafting off at any batch size.
+        first_off = 1 if self.online_budget else self._budget_by_batch.index(0, 1)
         # A decode-only step has one token per request; pad up to a captured size.
         decode_sizes = [s for s in sorted(sizes) if s >= first_off]
         decode_sizes = [s for s in decode_sizes if s < self.max_num_reqs] + [
@@ -520,8 +524,11 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     # ------------------------------------------------------------ verification
 
-    def prepare_tree_verification(self, input_batch: InputBatch) -> None:
-        """Runner hook before the target forward: depth positions and tree masks."""
+    def prepare_tree_verification(self, input_batch: InputBatch, next_budget: int) -> None:
+        """Runner hook before the target forward: depth positions and tree masks.
+        ``next_budget`` is the scheduler's ``num_spec_tokens_to_schedule``: the drafts
+        per request it verifies after this step (read by propose())."""
+        self._next_budget = int(next_budget)
         if self._pending_compaction:
             # The last walk's accepted path is compacted in propose(); a step that
             # verifies again before that would read KV and drafter context from the
@@ -661,7 +668,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if profiler is not None:
             profiler.mark("propose")
         # Budget 0: the scheduler verifies no drafts after this step.
-        no_drafts = not dummy_run and self._scheduled_budget(input_batch.num_reqs) == 0
+        no_drafts = not dummy_run and self._next_budget == 0
         if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
             # No drafts verified, none to draft: the drafter's context in one replay.
             self._pending_compaction = False
@@ -774,18 +781,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_logits = self.model.compute_logits(last_hidden_states[rows])
         trees = build_trees(draft_logits.view(num_reqs, depth, -1), budget, top_k, out=out)
         self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]
-
-
-def _ranges(table: list[int]) -> str:
-    """``[0, 64, 64, 32]`` (index 0 unused) -> ``"1-2: 64, 3: 32"``."""
-    parts = []
-    start = 1
-    for n in range(2, len(table) + 1):
-        if n == len(table) or table[n] != table[start]:
-            parts.append(f"{start}-{n - 1}: {table[start]}" if n - 1 > start
-                         else f"{start}: {table[start]}")
-            start = n
-    return ", ".join(parts)
 
 
 class DDTreeSampler:

@@ -209,7 +209,7 @@ def test_drafter_graph_sizes_are_read_from_vllms_manager():
 
 
 def test_budget_ranges_for_the_log():
-    from vllm_ddtree.speculator import _ranges
+    from vllm_ddtree.budget import table_ranges as _ranges
 
     assert _ranges([0, 64, 64, 32, 0]) == "1-2: 64, 3: 32, 4: 0"
     assert _ranges([0, 8]) == "1: 8"
@@ -233,6 +233,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.tree_budget, spec.max_num_reqs = 8, 4
     spec._budget_by_batch = budget_by_batch
     spec._drafting_budget = budget_by_batch
+    spec.online_budget = False
     spec.profiler = None
     spec._pending_compaction = False
     spec._verified_rows = None
@@ -264,6 +265,10 @@ def _propose(spec, num_reqs, hidden):
 
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=hidden.shape[0],
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs]))
+    # What the scheduler verifies next (num_spec_tokens_to_schedule, handed over by
+    # prepare_tree_verification): its lookup at this batch size.
+    table = spec._budget_by_batch
+    spec._next_budget = spec.tree_budget if table is None else table[num_reqs]
     z = torch.zeros(num_reqs)
     return DDTreeSpeculator.propose(spec, batch, {}, {}, hidden, None, z, z, z, z, z, z)
 
@@ -329,6 +334,7 @@ def _propose_aux(spec, num_reqs, num_tokens, positions):
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
                                   positions=positions[:num_tokens])
     aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
+    spec._next_budget = spec._budget_by_batch[num_reqs]  # the scheduler's, as in _propose
     z = torch.zeros(num_reqs)
     DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
                              z, z, z, z, z, z)
@@ -387,6 +393,7 @@ def _decode_graph_spec(budget_by_batch, use_aux=True, layer_group_idx=None):
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec._budget_by_batch = budget_by_batch
+    spec.online_budget = False
     spec.max_num_reqs = 8
     spec.dtype, spec.device = torch.float32, torch.device("cpu")
     spec.draft_kv_cache_group_ids = [2, 5]
@@ -411,6 +418,17 @@ def test_decode_graphs_cover_the_batch_sizes_that_draft_nothing():
     spec = _decode_graph_spec([0, 8, 8, 0, 0, 0, 0, 0, 0], layer_group_idx=[1, 0, 1])
     graphs = spec._decode_context_graphs_for(lambda *a: None, True, capture_sizes)
     assert graphs.slot_rows == [5, 2, 5] and graphs.per_layer
+
+
+def test_with_the_online_budget_every_batch_size_has_a_decode_graph():
+    # The controller may turn drafting off at any batch size, whatever the cap table.
+    spec = _decode_graph_spec([0, 8, 8, 8, 8, 8, 8, 8, 8])
+    spec.online_budget = True
+    graphs = spec._decode_context_graphs_for(lambda *a: None, False, [1, 2, 4, 8, 16])
+    assert graphs.sizes == [1, 2, 4, 8]
+    spec = _decode_graph_spec(None)
+    spec.online_budget = True
+    assert spec._decode_context_graphs_for(lambda *a: None, False, [1, 2]).sizes == [1, 2]
 
 
 def test_no_decode_graphs_without_budget_zero_or_auxiliary_states():

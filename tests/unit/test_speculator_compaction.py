@@ -113,8 +113,9 @@ def test_verifying_again_before_the_last_path_was_compacted_fails_loudly():
                      torch.zeros(1, dtype=torch.int32))
     batch = types.SimpleNamespace(num_reqs=1, num_draft_tokens=2, num_tokens=3)
     with pytest.raises(RuntimeError, match="propose"):
-        spec.prepare_tree_verification(batch)
+        spec.prepare_tree_verification(batch, 2)
     # Without a pending path (the walk verified no tree), the hook runs on.
     spec._pending_compaction = False
     spec.prepare_tree_verification(types.SimpleNamespace(num_reqs=1, num_draft_tokens=0,
-                                                         num_tokens=1))
+                                                         num_tokens=1), 0)
+    assert spec._next_budget == 0

@@ -184,7 +184,7 @@ def test_speculator_prepare_and_restore(triton_device, fused):
         positions=positions.to(dev).clone(),
     )
     assert batch.num_draft_tokens > 0
-    DDTreeSpeculator.prepare_tree_verification(spec, batch)
+    DDTreeSpeculator.prepare_tree_verification(spec, batch, 4)
     assert torch.equal(batch.positions.cpu(), want_pos)
     assert torch.equal(spec._linear_positions.cpu(), want_lin)
     assert spec._verified_rows is batch.logits_indices
@@ -216,9 +216,9 @@ def test_one_token_per_request_leaves_the_bias_alone(monkeypatch):
     spec._verified_rows = "stale"
     decodes = types.SimpleNamespace(num_reqs=3, num_tokens=3, num_draft_tokens=0,
                                     idx_mapping=None, cu_num_logits=None)
-    DDTreeSpeculator.prepare_tree_verification(spec, decodes)
+    DDTreeSpeculator.prepare_tree_verification(spec, decodes, 0)
     assert writes == [] and spec._verified_rows is None
     prefill = types.SimpleNamespace(num_reqs=2, num_tokens=5, num_draft_tokens=0,
                                     idx_mapping=None, cu_num_logits=None)
-    DDTreeSpeculator.prepare_tree_verification(spec, prefill)
+    DDTreeSpeculator.prepare_tree_verification(spec, prefill, 4)
     assert len(writes) == 1 and spec._verified_rows is None

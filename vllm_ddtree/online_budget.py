@@ -1,0 +1,224 @@
+"""The online tree budget in the engine: one :class:`BudgetController` beside vLLM's
+scheduler (``ddtree_online_budget``, on by default with asynchronous scheduling).
+
+Patch ``core_ddtree-online-budget`` adds three calls into vLLM:
+
+* ``Scheduler.__init__`` builds :class:`OnlineBudget` (:func:`make_online_budget`)
+  and hands the scheduler its :attr:`OnlineBudget.lookup` as ``dynamic_sd_lookup``:
+  the list vLLM's dynamic speculative decoding already indexes by batch size every
+  step (``num_spec_tokens_to_schedule``). The controller rewrites that list in place,
+  so a decision costs the scheduler what a static schedule costs: one list lookup.
+* ``Scheduler.update_from_output`` calls :meth:`OnlineBudget.observe` with the step's
+  output: batch size, the budget the step verified, each tree-verifying request's
+  accepted depth (sampled tokens - 1, what vLLM's own spec-decode counters read) and
+  the step's wall time (the interval since the previous output: with asynchronous
+  scheduling, the engine's period per step). Nothing waits on the GPU: the output
+  is what the engine core receives anyway, one step after it was scheduled.
+* the V2 runner's CUDA graph manager captures target decode graphs for every level
+  the controller may choose (:func:`graph_budget_levels`), so a change of budget
+  never leaves the graphs.
+
+The worker does not recompute the budget: the scheduler's
+``num_spec_tokens_to_schedule`` reaches it with each step
+(``DDTreeSpeculator.prepare_tree_verification``), so with tensor parallelism every
+rank follows the one decision of the engine core.
+
+The step-cost model the controller starts from is the target's forward measured at
+start-up (:func:`vllm_ddtree.cost_model.measure_target_forward_ms`, the same
+measurement ``ddtree_tokens_per_step="auto"`` uses; it runs whenever the controller
+is on) plus a drafter term scaled from it by layer count; the controller corrects
+both from the measured step times, and probes budget 0 while drafting, which
+measures what the drafter really costs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from vllm_ddtree import env
+from vllm_ddtree.budget import budget_levels, table_ranges
+from vllm_ddtree.budget_controller import BudgetController, StartupCost, StepStats
+
+logger = logging.getLogger("vllm.ddtree")
+
+# A step whose interval since the previous output is longer than this is not a decode
+# step's time (the engine was idle, or waited for requests): it feeds acceptance only.
+MAX_STEP_MS = 1000.0
+# Seconds between two log lines about the controller (each change of the table is
+# logged, at most this often; the state file is rewritten as often).
+LOG_INTERVAL_S = 10.0
+# Without a start-up measurement (the controller's cost model needs some curve): a
+# forward flat up to this many tokens, then linear, in arbitrary units; the measured
+# step times correct it.
+FALLBACK_KNEE_TOKENS = 128
+
+
+def online_budget_on(spec_config: Any) -> bool:
+    """True when a DDTree engine runs the online controller (resolved at start-up by
+    :func:`vllm_ddtree.config.validate_ddtree_vllm_config`; None counts as on)."""
+    if spec_config is None or getattr(spec_config, "method", None) != "ddtree":
+        return False
+    return getattr(spec_config, "ddtree_online_budget", None) is not False
+
+
+def graph_budget_levels(vllm_config: Any) -> list[int]:
+    """The budgets the controller may choose, ascending, 0 (no drafting) first: the
+    tree budget B and the powers of two below it. The target's decode graphs are
+    captured for each (query length = budget + 1)."""
+    spec = vllm_config.speculative_config
+    return [0] + sorted(budget_levels(int(spec.num_speculative_tokens)))
+
+
+def fallback_forward_ms(tokens: int) -> float:
+    return 1.0 + max(0, tokens - FALLBACK_KNEE_TOKENS) / FALLBACK_KNEE_TOKENS
+
+
+def startup_cost(vllm_config: Any, forward_ms: dict[int, float] | None) -> StartupCost:
+    """The controller's step-time model: the target's forward against verified tokens
+    (the start-up measurement, else :func:`fallback_forward_ms`), and a drafter that
+    costs its share of layers of a target forward over its query (1 + depth tokens
+    per request). Only ratios matter before the controller has measured steps."""
+    spec = vllm_config.speculative_config
+    curve: Any = dict(forward_ms) if forward_ms else fallback_forward_ms
+    target_layers = _num_layers(getattr(vllm_config, "model_config", None))
+    drafter_layers = _num_layers(getattr(spec, "draft_model_config", None))
+    share = (drafter_layers / target_layers) if target_layers and drafter_layers else 0.25
+    depth = int(getattr(spec, "ddtree_max_depth", None) or 15)
+
+    def forward(tokens: int) -> float:
+        if callable(curve):
+            return float(curve(tokens))
+        from vllm_ddtree.budget_controller import interpolate
+
+        return interpolate(curve, tokens)
+
+    return StartupCost(target_forward_ms=forward,
+                       drafter_ms=lambda n: share * forward(n * (1 + depth)))
+
+
+def _num_layers(model_config: Any) -> int | None:
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    n = getattr(hf, "num_hidden_layers", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _largest_graph_tokens(vllm_config: Any) -> int | None:
+    from vllm_ddtree.cost_model import largest_cuda_graph_tokens
+
+    return largest_cuda_graph_tokens(vllm_config)
+
+
+class OnlineBudget:
+    """The controller and the scheduler's lookup it writes (module docstring)."""
+
+    def __init__(self, vllm_config: Any, static_lookup: list[int] | None,
+                 max_num_seqs: int, forward_ms: dict[int, float] | None = None,
+                 clock=time.perf_counter) -> None:
+        spec = vllm_config.speculative_config
+        self.max_budget = int(spec.num_speculative_tokens)
+        self.max_depth = int(spec.ddtree_max_depth)
+        self.levels = graph_budget_levels(vllm_config)
+        scheduler = vllm_config.scheduler_config
+        verified_cap = getattr(scheduler, "max_num_scheduled_tokens", None) or \
+            getattr(scheduler, "max_num_batched_tokens", None)
+        graphs = _largest_graph_tokens(vllm_config)
+        if graphs is not None:
+            # A decode step larger than the largest CUDA graph runs without one.
+            verified_cap = min(verified_cap, graphs) if verified_cap else graphs
+        self.max_num_seqs = int(max_num_seqs)
+        self.controller = BudgetController(
+            self.max_budget, self.max_depth, startup_cost(vllm_config, forward_ms),
+            max_batch_size=self.max_num_seqs, levels=self.levels,
+            max_verified_tokens=verified_cap,
+            # The user's (or "auto"'s) schedule is a cap by batch size.
+            max_budget_by_batch=static_lookup,
+        )
+        self.lookup: list[int] = self.controller.budget_table(self.max_num_seqs)
+        self._clock = clock
+        self._last_output_t: float | None = None
+        self._last_log_t = -math.inf
+        self._changed_since_log = False
+        self._level_at_most = {}
+        self.report_path = env.budget_report_path()
+        self.steps_observed = 0
+        logger.info("DDTree online budget: levels %s, start %s", self.levels,
+                    table_ranges(self.lookup))
+
+    def _level(self, drafts: int) -> int:
+        """The largest level at most ``drafts`` (a step whose requests were all cut
+        short of the scheduled budget, e.g. near max_model_len)."""
+        level = self._level_at_most.get(drafts)
+        if level is None:
+            level = max(b for b in self.levels if b <= drafts)
+            self._level_at_most[drafts] = level
+        return level
+
+    def observe(self, scheduler_output: Any, model_runner_output: Any) -> None:
+        """One step's output (the scheduler's hook in ``update_from_output``)."""
+        now = self._clock()
+        last, self._last_output_t = self._last_output_t, now
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if not num_scheduled:
+            self._last_output_t = None  # an empty step: the engine is idle
+            return
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        drafts_max, prefill, depths = 0, 0, []
+        for req_id, n in num_scheduled.items():
+            drafts = len(spec_tokens.get(req_id, ()))
+            if n > 1 + drafts:
+                prefill += n - 1 - drafts
+            if drafts:
+                drafts_max = max(drafts_max, drafts)
+                i = index.get(req_id)
+                if i is not None and sampled and i < len(sampled) and len(sampled[i]):
+                    depths.append(len(sampled[i]) - 1)
+        budget = self._level(drafts_max)
+        cap = min(budget, self.max_depth)
+        step_ms = (now - last) * 1e3 if last is not None else math.nan
+        if not (0 < step_ms <= MAX_STEP_MS):
+            prefill = max(prefill, 1)  # not a decode step's time: acceptance only
+            step_ms = 1.0
+        stats = StepStats(
+            batch_size=min(len(num_scheduled), self.max_num_seqs), budget=budget,
+            step_ms=step_ms,
+            accepted_depths=[min(max(d, 0), cap) for d in depths][:len(num_scheduled)]
+            if budget else None,
+            prefill_tokens=prefill)
+        self.steps_observed += 1
+        if self.controller.observe(stats):
+            self.lookup[:] = self.controller.budget_table(self.max_num_seqs)
+            self._changed_since_log = True
+        if self._changed_since_log and now - self._last_log_t >= LOG_INTERVAL_S:
+            self._last_log_t = now
+            self._changed_since_log = False
+            logger.info("%s", self.controller.log_line())
+            if self.report_path:
+                self.write_report(self.report_path)
+
+    def state(self) -> dict:
+        state = self.controller.state()
+        state["steps_observed"] = self.steps_observed
+        state["budget_by_batch"] = table_ranges(self.lookup)
+        return state
+
+    def write_report(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.state(), f)
+
+
+def make_online_budget(vllm_config: Any, static_lookup: list[int] | None,
+                       max_num_seqs: int) -> OnlineBudget | None:
+    """The scheduler's controller, or None when this engine does not run one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if not online_budget_on(spec):
+        return None
+    from vllm_ddtree.cost_model import measured_forward_ms
+
+    return OnlineBudget(vllm_config, static_lookup, max_num_seqs,
+                        forward_ms=measured_forward_ms())
