@@ -73,6 +73,17 @@ def graph_budget_levels(vllm_config: Any) -> list[int]:
     return [0] + sorted(budget_levels(int(spec.num_speculative_tokens)))
 
 
+def graph_query_lens(vllm_config: Any, query_lens: list[int],
+                     sampled_per_step: int) -> list[int]:
+    """The target's decode query lengths to capture graphs for (the V2 runner's graph
+    manager, patch ``core_ddtree-online-budget``): those of the schedule and, with the
+    online controller, one per level (budget + the tokens sampled per step)."""
+    if not online_budget_on(getattr(vllm_config, "speculative_config", None)):
+        return list(query_lens)
+    levels = graph_budget_levels(vllm_config)
+    return sorted(set(query_lens) | {b + sampled_per_step for b in levels})
+
+
 def fallback_forward_ms(tokens: int) -> float:
     return 1.0 + max(0, tokens - FALLBACK_KNEE_TOKENS) / FALLBACK_KNEE_TOKENS
 

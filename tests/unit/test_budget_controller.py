@@ -377,3 +377,23 @@ def test_interpolate_and_startup_cost():
 def test_bad_statistics_are_refused(stats, message):
     with pytest.raises(ValueError, match=message):
         controller().observe(stats)
+
+
+def test_a_cap_by_batch_size_bounds_each_bucket():
+    caps = [0] + [64] * 3 + [4] * 4 + [0] * 8  # 1-3: 64, 4-7: 4, 8-15: off
+    ctl = controller(max_batch_size=15, max_budget_by_batch=caps)
+    eng = Engine(ctl, seed=4)
+    assert max(eng.run(2000, 5)) <= 4
+    assert set(eng.run(500, 9)) == {0}
+    assert max(eng.run(2000, 2)) > 4
+
+
+def test_drafting_probes_off_and_finds_a_drafter_the_model_left_out():
+    # The start-up model knows the target only; the real drafter costs as much as the
+    # target's forward, and acceptance is poor: only measuring budget 0 shows it.
+    true = StartupCost(target_forward_ms=forward_ms, drafter_ms=3.0, host_ms=2.0)
+    model = StartupCost(target_forward_ms=forward_ms, host_ms=2.0)
+    eng = Engine(controller(cost=model), seed=5, cost=true)
+    choices = eng.run_choices(4000, 4, quality=0.4)
+    assert analytic_best(4, true, 0.4) == 0
+    assert choices[-1] == 0 and choices[:10] != [0] * 10

@@ -1,0 +1,173 @@
+"""DDTree's online budget in vLLM's own scheduler, on the CPU.
+
+vLLM's ``EngineArgs.create_engine_config`` resolves a DDTree configuration as `vllm
+serve` would (an H200's device answers, tests/unit/test_ddtree_batch_defaults.py);
+then vLLM's real ``AsyncScheduler`` (patch ``core_ddtree-online-budget``) schedules
+requests, and the test plays the GPU: each step's output samples the tokens a
+drafter of a given quality would have had accepted, and the step takes the time a
+cost model says (the controller's clock). The scheduler's own code decides how many
+draft tokens it schedules (``num_spec_tokens_to_schedule``) from the lookup the
+controller writes.
+
+Needs the patched vLLM (``./apply.sh``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from tests.unit.test_ddtree_batch_defaults import (  # noqa: E402,F401
+    _server_config,
+    h200,
+    models,
+)
+from vllm_ddtree.online_budget import graph_query_lens, online_budget_on  # noqa: E402
+
+BUDGET = 8
+DEPTH = 15
+
+
+def _config(models, **spec):
+    return _server_config(models, spec=dict({"method": "ddtree",
+                                             "num_speculative_tokens": BUDGET}, **spec),
+                          max_num_seqs=16, max_model_len=32768, enable_prefix_caching=False)
+
+
+def _scheduler(cfg) -> AsyncScheduler:
+    cfg.cache_config.num_gpu_blocks = 16384  # what the engine core sets after profiling
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16,
+                             dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=16384, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
+    return AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=16)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def step_ms(batch: int, drafts: int) -> float:
+    """A GPU where drafting costs 40 % of a plain step (the drafter and the tree)."""
+    return 5.0 * (1.4 if drafts else 1.0) * (1.0 + 0.002 * batch * (drafts + 1))
+
+
+class Serving:
+    """The scheduler with the test as its GPU: ``quality`` is the chance that each
+    next draft token along the path is accepted."""
+
+    def __init__(self, scheduler: AsyncScheduler, num_requests: int, seed: int = 0) -> None:
+        self.s = scheduler
+        self.clock = Clock()
+        self.s.ddtree_budget._clock = self.clock
+        self.rng = random.Random(seed)
+        for i in range(num_requests):
+            self.s.add_request(Request(f"r{i}", list(range(10, 42)),
+                                       SamplingParams(max_tokens=100_000, ignore_eos=True),
+                                       None))
+        self.scheduled: list[int] = []  # num_spec_tokens_to_schedule per step
+
+    def run(self, steps: int, quality: float) -> list[int]:
+        verified = []
+        for _ in range(steps):
+            out = self.s.schedule()
+            self.scheduled.append(out.num_spec_tokens_to_schedule)
+            req_ids = list(out.num_scheduled_tokens)
+            sampled = []
+            drafts_max = 0
+            for r in req_ids:
+                drafts = len(out.scheduled_spec_decode_tokens.get(r, ()))
+                drafts_max = max(drafts_max, drafts)
+                accepted = 0
+                while accepted < min(drafts, DEPTH) and self.rng.random() < quality:
+                    accepted += 1
+                sampled.append([7] * (1 + accepted))
+            verified.append(drafts_max)
+            self.clock.t += step_ms(len(req_ids), drafts_max) / 1e3
+            self.s.update_from_output(out, ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled))
+        return verified
+
+
+def test_on_by_default_with_a_full_budget_cap_and_graphs_for_every_level(models, h200):
+    cfg = _config(models)
+    spec = cfg.speculative_config
+    assert spec.ddtree_online_budget is True and online_budget_on(spec)
+    # vLLM's dynamic speculative decoding is on, capped at the full budget.
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 2**31 - 1, BUDGET)] or \
+        [tuple(r)[2] for r in spec.num_speculative_tokens_per_batch_size] == [BUDGET]
+    # Decode graphs for budgets 0, 1, 2, 4 and 8 (query lengths + the bonus token).
+    assert graph_query_lens(cfg, [BUDGET + 1], 1) == [1, 2, 3, 5, 9]
+    off = _config(models, ddtree_online_budget=False)
+    assert off.speculative_config.ddtree_online_budget is False
+    assert off.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert graph_query_lens(off, [BUDGET + 1], 1) == [BUDGET + 1]
+
+
+def test_the_scheduler_turns_drafting_off_when_nothing_is_accepted(models, h200):
+    s = _scheduler(_config(models))
+    assert s.dynamic_sd_lookup is s.ddtree_budget.lookup
+    serving = Serving(s, 4)
+    verified = serving.run(600, quality=0.0)
+    # It starts by drafting (its prior), then measures and stops.
+    assert max(verified[:40]) > 0
+    tail = verified[-200:]
+    assert sum(1 for v in tail if v) / len(tail) < 0.1, tail
+    assert s.dynamic_sd_lookup[4] == 0 or s.ddtree_budget.controller.choice_for(4) == 0
+
+
+def test_the_scheduler_drafts_when_drafts_are_accepted_and_comes_back(models, h200):
+    s = _scheduler(_config(models))
+    serving = Serving(s, 4, seed=1)
+    serving.run(600, quality=0.0)
+    assert s.ddtree_budget.controller.choice_for(4) == 0
+    verified = serving.run(3000, quality=0.9)
+    tail = verified[-300:]
+    # Back on, at a budget the scheduler really verifies (placeholders it scheduled).
+    assert s.ddtree_budget.controller.choice_for(4) > 0
+    assert sum(1 for v in tail if v) / len(tail) > 0.8, tail
+    state = s.ddtree_budget.state()
+    assert state["steps_observed"] == 3600
+    assert "4-7" in state["buckets"]
+
+
+def test_a_user_schedule_caps_the_controller(models, h200):
+    cfg = _config(models, ddtree_tokens_per_step=20)
+    s = _scheduler(cfg)
+    caps = s.ddtree_budget.controller.max_budget_by_batch
+    assert caps is not None and caps[4] == 4  # 20 // 4 - 1 = 4
+    serving = Serving(s, 4, seed=2)
+    verified = serving.run(1500, quality=0.95)
+    assert max(verified) <= 4 and max(verified[-300:]) > 0
+
+
+def test_sync_scheduling_leaves_the_online_budget_off_or_refuses_it(models, h200):
+    cfg = _server_config(models, spec={"method": "ddtree", "num_speculative_tokens": BUDGET},
+                         max_num_seqs=16, async_scheduling=False)
+    assert cfg.speculative_config.ddtree_online_budget is False
+    assert cfg.speculative_config.num_speculative_tokens_per_batch_size is None
+    # vLLM's config validation reports the DDTreeConfigError (a ValueError).
+    with pytest.raises(ValueError, match="ddtree_online_budget needs asynchronous"):
+        _server_config(models, spec={"method": "ddtree", "num_speculative_tokens": BUDGET,
+                                     "ddtree_online_budget": True},
+                       max_num_seqs=16, async_scheduling=False)
+
