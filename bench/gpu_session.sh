@@ -18,6 +18,9 @@
 #                                      # BENCH_CONFIGS, BENCH_BATCH_SIZES pick engines and sizes;
 #                                      # BENCH_REPEATS, BENCH_MIN_REQUESTS fight the noise;
 #                                      # BENCH_ENGINE_ROUNDS starts every engine N times
+#   bash bench/gpu_session.sh online   # greedy equivalence with the online budget switching
+#   bash bench/gpu_session.sh goals    # plain / chain / DDTree on the held-out sharegpt-untrained
+#                                      # set (GOALS_CONFIGS order, GOALS_TAG names the run)
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
@@ -171,6 +174,30 @@ case "$step" in
       ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_MIN_REQUESTS:+--min-requests $BENCH_MIN_REQUESTS} \
       ${BENCH_ENGINE_ROUNDS:+--engine-rounds $BENCH_ENGINE_ROUNDS} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70
+    ;;
+  online)
+    # The online budget on the GPU: greedy float32 equivalence with the controller
+    # switching budgets (eager, real pair); its log shows the reach-in check and the
+    # controller's decisions.
+    prepare
+    timeout 300 python3 bench/gpu_checks.py equiv-real --target "$TARGET" --drafter "$DRAFTER" \
+      --data "$DATA" --out "$OUT/gpu-equiv-real-online-budget-fp32-eager.json" --dtype float32 \
+      --num-prompts 16 --max-tokens 96 --budgets 64 --batch-sizes 1 16 > "$OUT/gpu-equiv-online.log" 2>&1
+    echo "equiv-real online rc=$?"; grep '^{' "$OUT/gpu-equiv-online.log" | cut -c1-400
+    grep -h "DDTree online budget\|ddtree budget:\|reach-in" "$OUT/gpu-equiv-online.log" | head -12 | cut -c1-300
+    ;;
+  goals)
+    # Never slower than plain decoding: plain decoding, the chain (K=15, same cap) and
+    # DDTree as the README configures it (online budget on by default), on the held-out
+    # sharegpt-untrained set, CUDA graphs, waves; GOALS_CONFIGS orders the engines
+    # (alternate it between calls), GOALS_TEMPERATURES, GOALS_BATCH_SIZES.
+    prepare
+    read -r -a configs <<< "${GOALS_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
+    fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" \
+      --prompt-sets sharegpt-untrained --temperatures ${GOALS_TEMPERATURES:-0 1} \
+      --batch-sizes ${GOALS_BATCH_SIZES:-1 4 16 64} --repeats "${GOALS_REPEATS:-3}" \
+      --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" \
+      --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
   serve)
     prepare

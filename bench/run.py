@@ -79,6 +79,8 @@ class BenchConfig:
     env: tuple[tuple[str, str], ...] = ()
     # Extra engine arguments (name, value), e.g. another attention backend.
     engine_args: tuple[tuple[str, object], ...] = ()
+    # DDTree's online budget controller (None: the engine's default, on).
+    online_budget: bool | None = None
 
     def speculative_config(self, drafter: str) -> dict | None:
         if self.method is None:
@@ -93,6 +95,8 @@ class BenchConfig:
                 spec["ddtree_tokens_per_step"] = self.tokens_per_step
             if self.disable_by_batch_size is not None:
                 spec["ddtree_disable_by_batch_size"] = self.disable_by_batch_size
+            if self.online_budget is not None:
+                spec["ddtree_online_budget"] = self.online_budget
             return spec
         from vllm_ddtree.budget import batch_budget_schedule
 
@@ -142,15 +146,23 @@ CONFIG_ENGINE_FLAGS = {"tritonattn": ("attention_config", (("backend", "TRITON_A
                                        (("cudagraph_mode", "FULL_AND_PIECEWISE"),))}
 
 
+# "+static": DDTree without its online budget controller (ddtree_online_budget=False):
+# every step verifies the configured budget or schedule, as before the controller.
+CONFIG_SPEC_FLAGS = {"static": False}
+
+
 def parse_config(name: str) -> BenchConfig:
     core, *flags = name.split("+")
-    known = set(CONFIG_FLAGS) | set(CONFIG_ENGINE_FLAGS)
+    known = set(CONFIG_FLAGS) | set(CONFIG_ENGINE_FLAGS) | set(CONFIG_SPEC_FLAGS)
     unknown = [f for f in flags if f not in known]
     if unknown:
         raise ValueError(f"unknown benchmark config {name!r}: flags {unknown} "
                          f"(known: {sorted(known)})")
     cfg = _parse_core_config(core)
-    return replace(cfg, name=name,
+    if any(f in CONFIG_SPEC_FLAGS for f in flags) and cfg.method != "ddtree":
+        raise ValueError(f"benchmark config {name!r}: +static is DDTree's")
+    online = next((CONFIG_SPEC_FLAGS[f] for f in flags if f in CONFIG_SPEC_FLAGS), None)
+    return replace(cfg, name=name, online_budget=online,
                    env=tuple(CONFIG_FLAGS[f] for f in flags if f in CONFIG_FLAGS),
                    engine_args=tuple(CONFIG_ENGINE_FLAGS[f] for f in flags
                                      if f in CONFIG_ENGINE_FLAGS))
@@ -1083,6 +1095,14 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
 
         report = os.path.join(tempfile.mkdtemp(), "cost-model.json")
         cfg = replace(cfg, env=cfg.env + ((REPORT_ENV, report),))
+    budget_report = None
+    if cfg.method == "ddtree" and cfg.online_budget is not False:
+        from vllm_ddtree.env import BUDGET_REPORT
+
+        # The online controller's last logged state (budget by batch size, acceptance
+        # and step time per budget), kept in the engine row.
+        budget_report = os.path.join(tempfile.mkdtemp(), "online-budget.json")
+        cfg = replace(cfg, env=cfg.env + ((BUDGET_REPORT.name, budget_report),))
     try:
         llm, profile = _engine(args, suite, target, drafter, cfg)
     except Exception as exc:  # record and go on with the next config
@@ -1158,6 +1178,9 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                     | ({"round": rnd} if args.engine_rounds > 1 else {})),
                     flush=True)
     eng["engine_s"] = round(time.time() - t_engine, 1)
+    if budget_report and os.path.exists(budget_report):
+        with open(budget_report) as f:
+            eng["online_budget"] = json.load(f)
     if profile and os.path.exists(profile):
         with open(profile) as f:
             eng["step_profile"] = json.load(f)

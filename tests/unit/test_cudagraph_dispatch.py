@@ -32,7 +32,8 @@ CAPTURE_SIZES = default_capture_sizes(512)
 
 
 def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_reqs: int = 64,
-                  mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=CAPTURE_SIZES):
+                  mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=CAPTURE_SIZES,
+                  ddtree_online: bool = False):
     """A CudaGraphManager with only what candidate staging and dispatch read."""
     manager = object.__new__(cudagraph_utils.CudaGraphManager)
     manager.compilation_config = types.SimpleNamespace(
@@ -46,7 +47,9 @@ def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_r
     if num_spec:
         spec = types.SimpleNamespace(
             uses_dynamic_speculative_decoding=lambda: schedule is not None,
-            num_speculative_tokens_per_batch_size=schedule)
+            num_speculative_tokens_per_batch_size=schedule,
+            use_ddtree=lambda: ddtree_online, method="ddtree" if ddtree_online else "dflash",
+            ddtree_online_budget=ddtree_online, num_speculative_tokens=num_spec)
     manager.vllm_config = types.SimpleNamespace(speculative_config=spec,
                                                 num_speculative_tokens=num_spec)
     manager._candidates, manager._capture_descs = {}, {}
@@ -161,3 +164,12 @@ def test_one_query_length_that_skips_capture_sizes_keeps_mixed_steps_on_graphs()
     desc = manager.dispatch(3, 9, 3, 0)
     assert desc.cg_mode == CUDAGraphMode.FULL and desc.num_tokens == 9
 
+
+def test_ddtree_online_budget_captures_decode_graphs_for_every_level():
+    # A full-budget cap (budget 8) schedules one query length; the controller may
+    # verify 0, 1, 2, 4 or 8 drafts at any batch size, so each has FULL decode graphs.
+    manager = graph_manager(9, 8, schedule=[(1, 64, 8)], ddtree_online=True)
+    lens = {d.uniform_token_count for d in manager._capture_descs[CUDAGraphMode.FULL]}
+    assert lens == {1, 2, 3, 5, 9}
+    assert smallest_full_graph(manager, 1, 16) == 16
+    assert smallest_full_graph(manager, 5, 4 * 5) == 20
