@@ -1,0 +1,144 @@
+"""``bench/results/goals.json``: DDTree against plain decoding and the DFlash chain, per
+cell, from ``bench/run.py`` result files (one per engine round; alternate the engine
+order between rounds), never written by hand.
+
+Per cell (suite, prompt set, batch, temperature, mode) and engine: the median of every
+repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
+and tau. The engines are matched by role: ``no-spec``; the chain is the config whose
+method is ``dflash``; DDTree the one whose method is ``ddtree`` (give ``--ddtree`` /
+``--dflash`` to pick one when a file has several). Also writes a markdown table
+(``--table``) with the ratios the goal is stated in: DDTree / the better of plain
+decoding and the chain (goal >= 0.97 everywhere), DDTree / plain decoding.
+
+    python3 bench/goals.py --held-out sharegpt-untrained --out bench/results/goals.json \\
+        --table bench/results/<dir>/goals.md <round 1 json> <round 2 json>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.result_files import read_json  # noqa: E402
+
+GOAL_RATIO = 0.97
+
+
+def _role(result: dict, ddtree: str | None, dflash: str | None) -> str | None:
+    config = result["config"]
+    method = result.get("method")
+    if config == "no-spec" or method is None and config.startswith("no-spec"):
+        return "no-spec" if config == "no-spec" else None
+    if config.startswith("dflash") and (dflash is None or config == dflash):
+        return "dflash"
+    if config.startswith("ddtree") and (ddtree is None or config == ddtree):
+        return "ddtree"
+    return None
+
+
+def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = None) -> dict:
+    """{cell key: {role: {"runs": [...], "tau": [...], "config": name}}}"""
+    cells: dict = {}
+    for doc in docs:
+        suite = doc.get("suite")
+        mode = doc.get("cell_mode") or "waves"
+        for r in doc.get("results") or []:
+            if not r:
+                continue
+            role = _role(r, ddtree, dflash)
+            if role is None:
+                continue
+            key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode)
+            slot = cells.setdefault(key, {}).setdefault(role, {"runs": [], "tau": [],
+                                                              "config": r["config"]})
+            if slot["config"] != r["config"]:
+                raise SystemExit(f"two {role} configs in one cell ({slot['config']}, "
+                                 f"{r['config']}): pick one with --{role}")
+            slot["runs"].extend(r.get("output_tokens_per_s_runs")
+                                or [r["output_tokens_per_s"]])
+            if r.get("tau") is not None:
+                slot["tau"].append(r["tau"])
+    return cells
+
+
+def summarise(cells: dict) -> list[dict]:
+    out = []
+    for (suite, prompt_set, batch, temp, mode), roles in sorted(cells.items()):
+        tok_s, spread, tau, configs, repeats = {}, {}, {}, {}, {}
+        for role, slot in roles.items():
+            med = statistics.median(slot["runs"])
+            tok_s[role] = round(med, 2)
+            spread[role] = round((max(slot["runs"]) - min(slot["runs"])) / med, 4)
+            repeats[role] = len(slot["runs"])
+            configs[role] = slot["config"]
+            if slot["tau"]:
+                tau[role] = round(statistics.median(slot["tau"]), 4)
+        cell = {"suite": suite, "prompt_set": prompt_set, "batch": batch,
+                "temperature": temp, "mode": mode, "tok_s": tok_s, "tau": tau,
+                "spread": spread, "repeats": repeats, "configs": configs}
+        if "ddtree" in tok_s:
+            base = [tok_s[r] for r in ("no-spec", "dflash") if r in tok_s]
+            if base:
+                cell["ddtree_vs_best_other"] = round(tok_s["ddtree"] / max(base), 4)
+                cell["goal_met"] = cell["ddtree_vs_best_other"] >= GOAL_RATIO
+            if "no-spec" in tok_s:
+                cell["ddtree_vs_no_spec"] = round(tok_s["ddtree"] / tok_s["no-spec"], 4)
+            if "dflash" in tok_s:
+                cell["ddtree_vs_dflash"] = round(tok_s["ddtree"] / tok_s["dflash"], 4)
+        out.append(cell)
+    return out
+
+
+def table(cells: list[dict]) -> str:
+    lines = ["| set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
+             "DDTree / plain | tau chain / DDTree | spread plain / chain / DDTree |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        t, s, tau = c["tok_s"], c["spread"], c["tau"]
+        lines.append(
+            f"| {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
+            f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
+            f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
+            f"{tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
+            f"{s.get('no-spec', '')} / {s.get('dflash', '')} / {s.get('ddtree', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+", help="bench/run.py result JSON(s), .json or .json.gz")
+    ap.add_argument("--held-out", required=True, help="the prompt set held out from tuning")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--table", help="also write the markdown table here")
+    ap.add_argument("--ddtree")
+    ap.add_argument("--dflash")
+    args = ap.parse_args(argv)
+    docs = [read_json(f) for f in args.files]
+    cells = summarise(gather(docs, args.ddtree, args.dflash))
+    revs = sorted({d.get("git_rev") for d in docs if d.get("git_rev")})
+    doc = {"git_rev": revs[0] if len(revs) == 1 else revs,
+           "prompt_set_held_out": args.held_out,
+           "command": "python3 bench/goals.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "sources": [{"file": os.path.basename(f), "command": d.get("command"),
+                        "engine_order": [e["config"] for e in d.get("engines", [])]}
+                       for f, d in zip(args.files, docs)],
+           "goal": f"DDTree >= {GOAL_RATIO}x the better of plain decoding and the chain",
+           "cells": cells}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(table(cells))
+    met = sum(1 for c in cells if c.get("goal_met"))
+    print(f"{len(cells)} cells, goal met in {met}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
