@@ -179,7 +179,7 @@ class OnlineBudget:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
-        drafts_max, prefill, depths = 0, 0, []
+        drafts_max, prefill, verified = 0, 0, []
         for req_id, n in num_scheduled.items():
             drafts = len(spec_tokens.get(req_id, ()))
             if n > 1 + drafts:
@@ -188,8 +188,11 @@ class OnlineBudget:
                 drafts_max = max(drafts_max, drafts)
                 i = index.get(req_id)
                 if i is not None and sampled and i < len(sampled) and len(sampled[i]):
-                    depths.append(len(sampled[i]) - 1)
+                    verified.append((drafts, len(sampled[i]) - 1))
         budget = self._level(drafts_max)
+        # Only trees of the step's budget sample its acceptance: a request the scheduler
+        # cut short (near max_model_len) verified a smaller tree.
+        depths = [d for drafts, d in verified if drafts >= budget]
         cap = min(budget, self.max_depth)
         step_ms = (now - last) * 1e3 if last is not None else math.nan
         if not (0 < step_ms <= MAX_STEP_MS):

@@ -171,3 +171,45 @@ def test_sync_scheduling_leaves_the_online_budget_off_or_refuses_it(models, h200
                                      "ddtree_online_budget": True},
                        max_num_seqs=16, async_scheduling=False)
 
+
+
+def _so(sched, spec):
+    import types
+    return types.SimpleNamespace(num_scheduled_tokens=sched, scheduled_spec_decode_tokens=spec)
+
+
+def _mro(sampled):
+    import types
+    ids = list(sampled)
+    return types.SimpleNamespace(sampled_token_ids=[sampled[r] for r in ids],
+                                 req_id_to_index={r: i for i, r in enumerate(ids)})
+
+
+def test_observe_reads_the_step_and_skips_what_is_not_a_decode_step(models, h200):
+    from vllm_ddtree.online_budget import OnlineBudget
+
+    seen = []
+    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
+    ob.controller.observe = lambda stats: seen.append(stats) or False
+    clock = ob._clock
+    clock.t = 1.0
+    # A tree step of budget 8: one request cut short to 3 drafts (not a budget-8 sample).
+    ob.observe(_so({"a": 9, "b": 9, "c": 4}, {"a": [-1] * 8, "b": [-1] * 8, "c": [-1] * 3}),
+               _mro({"a": [1, 2, 3], "b": [1], "c": [1, 2, 3, 4]}))
+    clock.t += 0.004
+    ob.observe(_so({"a": 9, "b": 9}, {"a": [-1] * 8, "b": [-1] * 8}),
+               _mro({"a": [1] * 6, "b": [1]}))
+    # A step that also prefilled a joining request: acceptance only.
+    clock.t += 0.020
+    ob.observe(_so({"a": 9, "d": 40}, {"a": [-1] * 8}), _mro({"a": [1], "d": [1]}))
+    # An empty step (the engine idles), then a decode step: its interval is unknown.
+    ob.observe(_so({}, {}), _mro({}))
+    clock.t += 5.0
+    ob.observe(_so({"a": 1}, {}), _mro({"a": [1]}))
+    first, second, joined, after_idle = seen
+    assert first.prefill_tokens > 0  # no previous output: no interval
+    assert (second.batch_size, second.budget, second.accepted_depths) == (2, 8, [5, 0])
+    assert second.prefill_tokens == 0 and abs(second.step_ms - 4.0) < 1e-9
+    assert first.accepted_depths == [2, 0]  # "c" verified a 3-node tree
+    assert joined.prefill_tokens == 39 and joined.accepted_depths == [0]
+    assert after_idle.budget == 0 and after_idle.prefill_tokens > 0
