@@ -51,6 +51,9 @@ MAX_STEP_MS = 1000.0
 # Seconds between two log lines about the controller (each change of the table is
 # logged, at most this often; the state file is rewritten as often).
 LOG_INTERVAL_S = 10.0
+# Steps between two refreshes of the summary /metrics shows (also refreshed whenever
+# the budget table changes).
+METRICS_REFRESH_STEPS = 64
 # Without a start-up measurement (the controller's cost model needs some curve): a
 # forward flat up to this many tokens, then linear, in arbitrary units; the measured
 # step times correct it.
@@ -156,6 +159,7 @@ class OnlineBudget:
         self._level_at_most = {}
         self.report_path = env.budget_report_path()
         self.steps_observed = 0
+        self._metrics: dict | None = None
         logger.info("DDTree online budget: levels %s, start %s", self.levels,
                     table_ranges(self.lookup))
 
@@ -205,15 +209,27 @@ class OnlineBudget:
             if budget else None,
             prefill_tokens=prefill)
         self.steps_observed += 1
-        if self.controller.observe(stats):
+        changed = self.controller.observe(stats)
+        if changed:
             self.lookup[:] = self.controller.budget_table(self.max_num_seqs)
             self._changed_since_log = True
+        if changed or self.steps_observed % METRICS_REFRESH_STEPS == 0:
+            self._metrics = None
         if self._changed_since_log and now - self._last_log_t >= LOG_INTERVAL_S:
             self._last_log_t = now
             self._changed_since_log = False
             logger.info("%s", self.controller.log_line())
             if self.report_path:
                 self.write_report(self.report_path)
+
+    def metrics(self) -> dict:
+        """What ``/metrics`` shows (:mod:`vllm_ddtree.metrics`): the scheduler's stats
+        carry it every step, so it is cached between refreshes."""
+        if self._metrics is None:
+            from vllm_ddtree.metrics import budget_metrics
+
+            self._metrics = budget_metrics(self.controller.state())
+        return self._metrics
 
     def state(self) -> dict:
         state = self.controller.state()

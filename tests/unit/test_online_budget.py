@@ -48,13 +48,14 @@ def _config(models, **spec):
                           max_num_seqs=16, max_model_len=32768, enable_prefix_caching=False)
 
 
-def _scheduler(cfg) -> AsyncScheduler:
+def _scheduler(cfg, log_stats: bool = False) -> AsyncScheduler:
     cfg.cache_config.num_gpu_blocks = 16384  # what the engine core sets after profiling
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16,
                              dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=16384, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
-    return AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=16)
+    return AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=16,
+                          log_stats=log_stats)
 
 
 class Clock:
@@ -213,3 +214,43 @@ def test_observe_reads_the_step_and_skips_what_is_not_a_decode_step(models, h200
     assert first.accepted_depths == [2, 0]  # "c" verified a 3-node tree
     assert joined.prefill_tokens == 39 and joined.accepted_depths == [0]
     assert after_idle.budget == 0 and after_idle.prefill_tokens > 0
+
+
+def test_the_budget_reaches_vllms_prometheus_metrics(models, h200):
+    """The scheduler's stats carry the controller's summary; vLLM's Prometheus logger
+    turns it into gauges (what `vllm serve` exposes at /metrics)."""
+    import prometheus_client
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    cfg = _config(models)
+    s = _scheduler(cfg, log_stats=True)
+    Serving(s, 4, seed=3).run(300, quality=0.0)
+    stats = s.make_stats()
+    assert stats.ddtree_budget["budget"]["4-7"] == s.dynamic_sd_lookup[4]
+    logger = PrometheusStatLogger(cfg)
+    logger.record(stats, None)
+    text = prometheus_client.generate_latest().decode()
+    budget = [line for line in text.splitlines()
+              if line.startswith("vllm:ddtree_budget{") and 'bucket="4-7"' in line]
+    assert len(budget) == 1 and budget[0].endswith(f" {float(s.dynamic_sd_lookup[4])}")
+    assert 'vllm:ddtree_accepted_tokens_per_step{' in text
+    assert 'vllm:ddtree_expected_tokens_per_step{' in text
+    # Nothing accepted: every measured budget shows 0 accepted tokens.
+    measured = [line for line in text.splitlines()
+                if line.startswith("vllm:ddtree_accepted_tokens_per_step{")]
+    assert measured and all(line.endswith(" 0.0") for line in measured)
+
+
+def test_the_summary_survives_the_engine_core_to_front_end_message():
+    """SchedulerStats travel from the engine core to the front end in vLLM's msgpack
+    encoding of EngineCoreOutputs."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    summary = {"budget": {"1-1": 32, "4-7": 0}, "expected_tokens_per_step": {"1-1": 1.8},
+               "accepted_measured": {"1-1": {"4": 0.21, "32": 0.8}}}
+    out = EngineCoreOutputs(scheduler_stats=SchedulerStats(ddtree_budget=summary))
+    frames = MsgpackEncoder().encode(out)
+    back = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+    assert back.scheduler_stats.ddtree_budget == summary
