@@ -33,6 +33,7 @@ measures what the drafter really costs.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -51,6 +52,9 @@ MAX_STEP_MS = 1000.0
 # Seconds between two log lines about the controller (each change of the table is
 # logged, at most this often; the state file is rewritten as often).
 LOG_INTERVAL_S = 10.0
+# Steps kept for the report (VLLM_DDTREE_BUDGET_REPORT): each observed step's batch,
+# budget, requests sampled, mean accepted depth, step time and prefill tokens.
+TRACE_STEPS = 512
 # Steps between two refreshes of the summary /metrics shows (also refreshed whenever
 # the budget table changes).
 METRICS_REFRESH_STEPS = 64
@@ -160,6 +164,7 @@ class OnlineBudget:
         self.report_path = env.budget_report_path()
         self.steps_observed = 0
         self._metrics: dict | None = None
+        self._trace = collections.deque(maxlen=TRACE_STEPS) if self.report_path else None
         logger.info("DDTree online budget: levels %s, start %s", self.levels,
                     table_ranges(self.lookup))
 
@@ -209,6 +214,11 @@ class OnlineBudget:
             if budget else None,
             prefill_tokens=prefill)
         self.steps_observed += 1
+        if self._trace is not None:
+            acc = stats.accepted_depths or []
+            self._trace.append((stats.batch_size, budget, len(acc),
+                                round(sum(acc) / len(acc), 3) if acc else None,
+                                round(step_ms, 4), prefill))
         changed = self.controller.observe(stats)
         if changed:
             self.lookup[:] = self.controller.budget_table(self.max_num_seqs)
@@ -235,6 +245,11 @@ class OnlineBudget:
         state = self.controller.state()
         state["steps_observed"] = self.steps_observed
         state["budget_by_batch"] = table_ranges(self.lookup)
+        if self._trace is not None:
+            state["recent_steps"] = {
+                "fields": ["batch", "budget", "requests_sampled", "mean_accepted",
+                           "step_ms", "prefill_tokens"],
+                "steps": [list(t) for t in self._trace]}
         return state
 
     def write_report(self, path: str) -> None:

@@ -254,3 +254,22 @@ def test_the_summary_survives_the_engine_core_to_front_end_message():
     frames = MsgpackEncoder().encode(out)
     back = MsgpackDecoder(EngineCoreOutputs).decode(frames)
     assert back.scheduler_stats.ddtree_budget == summary
+
+
+def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
+    import json
+
+    from vllm_ddtree.online_budget import OnlineBudget
+
+    report = tmp_path / "budget.json"
+    monkeypatch.setenv("VLLM_DDTREE_BUDGET_REPORT", str(report))
+    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
+    ob._clock.t = 1.0
+    for _ in range(3):
+        ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
+        ob._clock.t += 0.003
+    ob.write_report(str(report))
+    state = json.loads(report.read_text())
+    steps = state["recent_steps"]["steps"]
+    assert len(steps) == 3 and steps[-1][:4] == [1, 8, 1, 1.0]
+    assert abs(steps[-1][4] - 3.0) < 1e-6 and steps[-1][5] == 0
