@@ -189,7 +189,14 @@ class OnlineBudget:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         drafts_max, prefill, verified = 0, 0, []
-        for req_id, n in num_scheduled.items():
+        if not spec_tokens:
+            # No drafts verified (budget 0): no per-request work on the host, which
+            # sets the pace of these steps on small targets.
+            total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+            if total is None:
+                total = sum(num_scheduled.values())
+            prefill = total - len(num_scheduled)
+        for req_id, n in (num_scheduled.items() if spec_tokens else ()):
             drafts = len(spec_tokens.get(req_id, ()))
             if n > 1 + drafts:
                 prefill += n - 1 - drafts
