@@ -196,35 +196,49 @@ class OnlineBudget:
             if total is None:
                 total = sum(num_scheduled.values())
             prefill = total - len(num_scheduled)
-        for req_id, n in (num_scheduled.items() if spec_tokens else ()):
-            drafts = len(spec_tokens.get(req_id, ()))
-            if n > 1 + drafts:
-                prefill += n - 1 - drafts
-            if drafts:
-                drafts_max = max(drafts_max, drafts)
-                i = index.get(req_id)
-                if i is not None and sampled and i < len(sampled) and len(sampled[i]):
-                    verified.append((drafts, len(sampled[i]) - 1))
+        else:
+            get_spec, get_index, num_rows = spec_tokens.get, index.get, len(sampled or ())
+            for req_id, n in num_scheduled.items():
+                spec = get_spec(req_id)
+                drafts = len(spec) if spec else 0
+                if n > 1 + drafts:
+                    prefill += n - 1 - drafts
+                if drafts:
+                    if drafts > drafts_max:
+                        drafts_max = drafts
+                    i = get_index(req_id)
+                    if i is not None and i < num_rows:
+                        row = len(sampled[i])
+                        if row:
+                            verified.append((drafts, row - 1))
         budget = self._level(drafts_max)
-        # Only trees of the step's budget sample its acceptance: a request the scheduler
-        # cut short (near max_model_len) verified a smaller tree.
-        depths = [d for drafts, d in verified if drafts >= budget]
         cap = min(budget, self.max_depth)
+        # Per-depth hit counts (hits[d]: requests whose path reached depth d), only from
+        # trees of the step's budget: a request the scheduler cut short (near
+        # max_model_len) verified a smaller tree.
+        hits, accepted_sum = None, 0
+        if budget:
+            counts = [0] * (cap + 2)
+            for drafts, d in verified:
+                if drafts >= budget:
+                    d = cap if d > cap else (0 if d < 0 else d)
+                    counts[d] += 1
+                    accepted_sum += d
+            for k in range(cap - 1, -1, -1):
+                counts[k] += counts[k + 1]
+            hits = counts[:cap + 1]
         step_ms = (now - last) * 1e3 if last is not None else math.nan
         if not (0 < step_ms <= MAX_STEP_MS):
             prefill = max(prefill, 1)  # not a decode step's time: acceptance only
             step_ms = 1.0
         stats = StepStats(
             batch_size=min(len(num_scheduled), self.max_num_seqs), budget=budget,
-            step_ms=step_ms,
-            accepted_depths=[min(max(d, 0), cap) for d in depths][:len(num_scheduled)]
-            if budget else None,
-            prefill_tokens=prefill)
+            step_ms=step_ms, depth_hits=hits, prefill_tokens=prefill)
         self.steps_observed += 1
         if self._trace is not None:
-            acc = stats.accepted_depths or []
-            self._trace.append((stats.batch_size, budget, len(acc),
-                                round(sum(acc) / len(acc), 3) if acc else None,
+            sampled_reqs = hits[0] if hits else 0
+            self._trace.append((stats.batch_size, budget, sampled_reqs,
+                                round(accepted_sum / sampled_reqs, 3) if sampled_reqs else None,
                                 round(step_ms, 4), prefill))
         changed = self.controller.observe(stats)
         if changed:

@@ -209,10 +209,10 @@ def test_observe_reads_the_step_and_skips_what_is_not_a_decode_step(models, h200
     ob.observe(_so({"a": 1}, {}), _mro({"a": [1]}))
     first, second, joined, after_idle = seen
     assert first.prefill_tokens > 0  # no previous output: no interval
-    assert (second.batch_size, second.budget, second.accepted_depths) == (2, 8, [5, 0])
+    assert (second.batch_size, second.budget, second.depth_hits) == (2, 8, [2, 1, 1, 1, 1, 1, 0, 0, 0])
     assert second.prefill_tokens == 0 and abs(second.step_ms - 4.0) < 1e-9
-    assert first.accepted_depths == [2, 0]  # "c" verified a 3-node tree
-    assert joined.prefill_tokens == 39 and joined.accepted_depths == [0]
+    assert first.depth_hits == [2, 1, 1, 0, 0, 0, 0, 0, 0]  # "c" verified a 3-node tree
+    assert joined.prefill_tokens == 39 and joined.depth_hits == [1] + [0] * 8
     assert after_idle.budget == 0 and after_idle.prefill_tokens > 0
 
 

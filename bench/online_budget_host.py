@@ -1,0 +1,95 @@
+"""Host time the online budget adds to each engine step (CPU only).
+
+``OnlineBudget.observe`` runs in the scheduler's ``update_from_output`` every step, on
+the engine core's host thread, which sets the pace of small targets' steps. This
+times it on the objects vLLM hands it (a scheduler output and a model-runner output
+of ``batch`` decoding requests, each having verified ``budget`` drafts and accepted
+some), with the real controller behind it; ``metrics()`` (what the scheduler's stats
+carry each step) is timed too.
+
+    python3 bench/online_budget_host.py --out bench/results/<dir>/online-budget-host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from vllm_ddtree.online_budget import OnlineBudget  # noqa: E402
+
+
+def _config(budget: int, depth: int, max_num_seqs: int):
+    spec = types.SimpleNamespace(method="ddtree", ddtree_online_budget=True,
+                                 num_speculative_tokens=budget, ddtree_max_depth=depth,
+                                 draft_model_config=None)
+    return types.SimpleNamespace(
+        speculative_config=spec, model_config=None,
+        scheduler_config=types.SimpleNamespace(max_num_scheduled_tokens=8192,
+                                               max_num_batched_tokens=8192,
+                                               max_num_seqs=max_num_seqs),
+        compilation_config=types.SimpleNamespace(max_cudagraph_capture_size=1024,
+                                                 cudagraph_mode=None))
+
+
+def time_observe(batch: int, budget: int, steps: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    clock = types.SimpleNamespace(t=0.0)
+    ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
+    ids = [f"req-{i}" for i in range(batch)]
+    spec = {r: [-1] * budget for r in ids} if budget else {}
+    so = types.SimpleNamespace(num_scheduled_tokens={r: 1 + budget for r in ids},
+                               scheduled_spec_decode_tokens=spec,
+                               total_num_scheduled_tokens=batch * (1 + budget))
+    outs = []
+    for _ in range(16):
+        sampled = [[1] * (1 + (min(rng.randrange(4), budget) if budget else 0)) for _ in ids]
+        outs.append(types.SimpleNamespace(sampled_token_ids=sampled,
+                                          req_id_to_index={r: i for i, r in enumerate(ids)}))
+    per_call = []
+    for i in range(steps):
+        clock.t += 0.004
+        t0 = time.perf_counter()
+        ob.observe(so, outs[i % len(outs)])
+        ob.metrics()
+        per_call.append((time.perf_counter() - t0) * 1e6)
+    per_call.sort()
+    return {"batch": batch, "budget": budget, "steps": steps,
+            "us_p50": round(statistics.median(per_call), 2),
+            "us_p90": round(per_call[int(0.9 * len(per_call))], 2),
+            "us_mean": round(statistics.fmean(per_call), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 8, 64])
+    args = ap.parse_args(argv)
+    rows = [time_observe(n, b, args.steps) for n in args.batch_sizes for b in args.budgets]
+    doc = {"command": "python3 bench/online_budget_host.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "host": {"machine": platform.machine(), "processor": platform.processor(),
+                    "python": platform.python_version(), "cpus": os.cpu_count()},
+           "what": "host microseconds per step of OnlineBudget.observe + metrics()",
+           "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
