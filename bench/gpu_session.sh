@@ -193,9 +193,11 @@ case "$step" in
     # (alternate it between calls), GOALS_TEMPERATURES, GOALS_BATCH_SIZES.
     prepare
     read -r -a configs <<< "${GOALS_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
+    read -r -a temps <<< "${GOALS_TEMPERATURES:-0 1}"
+    read -r -a sizes <<< "${GOALS_BATCH_SIZES:-1 4 16 64}"
     fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" \
-      --prompt-sets sharegpt-untrained --temperatures ${GOALS_TEMPERATURES:-0 1} \
-      --batch-sizes ${GOALS_BATCH_SIZES:-1 4 16 64} --repeats "${GOALS_REPEATS:-3}" \
+      --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
+      --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
       --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
