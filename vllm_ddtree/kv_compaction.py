@@ -62,7 +62,6 @@ __all__ = [
     "compact_kv_cache_",
     "compact_kv_cache_reference_",
     "compact_rows_",
-    "compact_rows_reference_",
 ]
 
 # name -> (block_dim, token_dim) of the tensor the attention layer holds.
@@ -332,18 +331,6 @@ def compact_kv_cache_(
         BLOCK_E=block_e,
     )
     return kv_cache
-
-
-def compact_rows_reference_(
-    tensor: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor
-) -> torch.Tensor:
-    """Loop reference for :func:`compact_rows_` (gather all rows first, then write)."""
-    src = src_rows.reshape(-1).tolist()
-    dst = dst_rows.reshape(-1).tolist()
-    saved = [tensor[s].clone() for s in src]
-    for d, v in zip(dst, saved):
-        tensor[d] = v
-    return tensor
 
 
 def compact_rows_(tensor: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ What lives here (torch, plus one Triton kernel; no host sync, usable inside CUDA
   :func:`write_tree_attn_bias` where Triton cannot run.
 * :func:`register_tree_attn_bias`: hands that buffer to the target's
   TRITON_ATTN metadata builders (before CUDA-graph capture).
-* :func:`reference_paged_attention`: a dense, slow reference over a paged KV
-  cache with per-request tree masks, for tests.
+* A dense, slow reference over a paged KV cache with per-request tree masks, the
+  tests' oracle: ``tests/references.py`` (``reference_paged_attention``).
 
 Rule for mixed batches (what the patched kernel does): the bias row block
 ``bias[s]`` is applied to sequence s of the batch only when s has exactly Q =
@@ -36,7 +36,7 @@ whose ``has_tree`` flag is False.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -45,8 +45,6 @@ from ._triton import can_use_triton, launcher, next_power_of_2, tl
 __all__ = [
     "allocate_tree_attn_bias",
     "check_tree_parents",
-    "reference_context_attention",
-    "reference_paged_attention",
     "register_tree_attn_bias",
     "tree_ancestor_mask",
     "write_tree_attn_bias",
@@ -372,91 +370,3 @@ def _flatten(groups: Iterable) -> Iterable:
             yield g
 
 
-def reference_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: Sequence[int],
-    query_start_loc: Sequence[int],
-    scale: float,
-    tree_masks: Sequence[torch.Tensor | None],
-) -> torch.Tensor:
-    """Dense, slow reference attention over a paged KV cache (float64 softmax).
-
-    ``query`` [T, Hq, D]; ``key_cache``/``value_cache`` [num_blocks,
-    block_size, Hkv, D] (vLLM's unified-attention layout); ``block_table``
-    [num_seqs, max_blocks]. Sequence s has query tokens
-    ``query_start_loc[s]:query_start_loc[s+1]`` whose keys are the last
-    ``L`` of its ``seq_lens[s]`` KV positions. ``tree_masks[s]`` is None
-    (plain causal) or a bool [L, L] mask over its query tokens (True = may
-    attend); every query token may attend the whole committed context
-    ``[0, seq_lens[s] - L)``. Returns [T, Hq, D] in ``query``'s dtype.
-    """
-    num_q_heads = query.shape[1]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    group = num_q_heads // num_kv_heads
-    out = torch.empty_like(query)
-    for s in range(len(seq_lens)):
-        q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
-        qlen, slen = q1 - q0, int(seq_lens[s])
-        if qlen == 0:
-            continue
-        ctx = slen - qlen
-        if ctx < 0:
-            raise ValueError(f"sequence {s}: {qlen} query tokens but seq_len {slen}")
-        pos = torch.arange(slen)
-        blocks = block_table[s, pos // block_size].long().cpu()
-        k = key_cache[blocks, pos % block_size].double()  # [S, Hkv, D]
-        v = value_cache[blocks, pos % block_size].double()
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        q = query[q0:q1].double()  # [L, Hq, D]
-        allowed = torch.zeros(qlen, slen, dtype=torch.bool)
-        allowed[:, :ctx] = True
-        mask = tree_masks[s]
-        if mask is None:
-            mask = torch.ones(qlen, qlen, dtype=torch.bool).tril()
-        elif tuple(mask.shape) != (qlen, qlen):
-            raise ValueError(f"sequence {s}: tree mask {tuple(mask.shape)} for {qlen} query tokens")
-        allowed[:, ctx:] = mask.cpu().bool()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
-    return out
-
-
-def reference_context_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_lens: Sequence[int],
-    query_start_loc: Sequence[int],
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-causal attention of each sequence's queries over its first
-    ``context_lens[s]`` cached keys, with the log-sum-exp: the stand-in for
-    the FA3 context call of route 2 (``return_softmax_lse=True``). Returns
-    ``(out [T, Hq, D], lse [Hq, T])``; no context gives out 0, lse -inf."""
-    num_q_heads = query.shape[1]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = torch.zeros_like(query)
-    lse = torch.full((num_q_heads, query.shape[0]), float("-inf"))
-    for s in range(len(context_lens)):
-        q0, q1, ctx = int(query_start_loc[s]), int(query_start_loc[s + 1]), int(context_lens[s])
-        if q1 == q0 or ctx == 0:
-            continue
-        pos = torch.arange(ctx)
-        blocks = block_table[s, pos // block_size].long().cpu()
-        k = key_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
-        v = value_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[q0:q1].double(), k) * scale
-        lse[:, q0:q1] = torch.logsumexp(scores, dim=-1).float()
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
-    return out, lse

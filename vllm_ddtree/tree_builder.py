@@ -38,8 +38,9 @@ Output format (per request r, fixed size B + 1, node 0 = root = the bonus token;
     node_scores  [R, B+1] float32 root: 0; padding: -inf (summed draft log-probs)
 
 Three implementations share these semantics exactly (tokens, parents, depths, valid,
-and bitwise scores): :func:`build_tree_reference` (Python ``heapq``, the definition),
-and :func:`build_trees` with ``backend="triton"`` (one program per request; the
+and bitwise scores): ``tests/references.py``'s ``build_tree_reference`` (Python
+``heapq``, the definition, the tests' oracle), and :func:`build_trees` with
+``backend="triton"`` (one program per request; the
 frontier lives in registers and each step is a vectorised arg-max) or
 ``backend="torch"`` (the same frontier algorithm in batched torch ops). Both fast
 backends are free of host synchronisation and write fixed-shape outputs (optionally
@@ -48,17 +49,14 @@ into caller-provided buffers), so they can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import heapq
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from ._triton import can_use_triton, jit, launcher, next_power_of_2, tl
 
 __all__ = [
     "DDTree",
-    "build_tree_reference",
     "build_trees",
     "draft_log_normalizer",
     "draft_topk",
@@ -234,101 +232,6 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     logp, perm = torch.sort(logp, dim=-1, descending=True, stable=True)
     ids = torch.gather(ids, -1, perm)
     return ids.contiguous(), logp.contiguous()
-
-
-# ----------------------------------------------------------------------------------
-# Reference: plain heapq, one request at a time
-# ----------------------------------------------------------------------------------
-
-
-def build_tree_reference(
-    draft_logits: torch.Tensor,
-    budget: int,
-    top_k: int | None = None,
-    root_tokens: torch.Tensor | None = None,
-) -> DDTree:
-    """Slow, obviously-correct best-first tree builder (Python ``heapq``).
-
-    Args:
-        draft_logits: [D, V] or [R, D, V] float logits of the drafter, position d =
-            depth d + 1.
-        budget: B, the number of draft nodes per request (the root not counted).
-        top_k: candidates per position (default: B), capped at V.
-        root_tokens: optional [R] (or [] for 2-D input) tokens for node 0.
-
-    Returns:
-        :class:`DDTree` on the CPU with leading dim R (R = 1 for 2-D input is
-        squeezed away again, giving [B+1] tensors).
-    """
-    logits, squeeze = _as_batched_logits(draft_logits)
-    num_req, depth_max, vocab = logits.shape
-    k = resolve_top_k(budget, vocab, top_k)
-    if depth_max < 1:
-        raise ValueError("draft_logits must have at least one position (D >= 1)")
-    if root_tokens is not None and squeeze:
-        root_tokens = root_tokens.reshape(1)
-    _check_root_tokens(root_tokens, num_req)
-
-    # The definition of the draft log-probs; the fast path computes the same formula.
-    lse = draft_log_normalizer(logits)[..., None]
-    logp_all = (logits.float() - lse).cpu().numpy()
-
-    n_nodes = budget + 1
-    tokens = np.zeros((num_req, n_nodes), dtype=np.int64)
-    parents = np.zeros((num_req, n_nodes), dtype=np.int32)
-    depths = np.ones((num_req, n_nodes), dtype=np.int32)
-    valid = np.zeros((num_req, n_nodes), dtype=bool)
-    scores = np.full((num_req, n_nodes), -np.inf, dtype=np.float32)
-
-    for r in range(num_req):
-        # Candidate ranks per position: sort all tokens by (logp desc, id asc).
-        cand_ids = []
-        cand_lp = []
-        for d in range(depth_max):
-            row = logp_all[r, d]
-            # lexsort: primary key -logp (ascending), secondary token id.
-            order = np.lexsort((np.arange(vocab), -row))[:k].tolist()
-            cand_ids.append(order)
-            cand_lp.append([np.float32(row[t]) for t in order])
-
-        tokens[r, 0] = 0 if root_tokens is None else int(root_tokens[r])
-        parents[r, 0] = -1
-        depths[r, 0] = 0
-        valid[r, 0] = True
-        scores[r, 0] = np.float32(0.0)
-
-        # Heap entries: (-score, creation index, depth, rank, parent node, parent score)
-        heap: list[tuple[float, int, int, int, int, np.float32]] = []
-        root_score = np.float32(0.0)
-        first = np.float32(root_score + cand_lp[0][0])
-        heapq.heappush(heap, (-float(first), 0, 1, 0, 0, root_score))
-        for n in range(1, budget + 1):
-            if not heap:
-                break
-            neg_score, _, depth, rank, parent, parent_score = heapq.heappop(heap)
-            score = np.float32(-neg_score)
-            tokens[r, n] = cand_ids[depth - 1][rank]
-            parents[r, n] = parent
-            depths[r, n] = depth
-            valid[r, n] = True
-            scores[r, n] = score
-            if rank + 1 < k:  # next sibling: same prefix, next rank
-                s = np.float32(parent_score + cand_lp[depth - 1][rank + 1])
-                heapq.heappush(heap, (-float(s), 2 * n - 1, depth, rank + 1, parent, parent_score))
-            if depth < depth_max:  # first child: append rank 0
-                s = np.float32(score + cand_lp[depth][0])
-                heapq.heappush(heap, (-float(s), 2 * n, depth + 1, 0, n, score))
-
-    out = DDTree(
-        torch.from_numpy(tokens),
-        torch.from_numpy(parents),
-        torch.from_numpy(depths),
-        torch.from_numpy(valid),
-        torch.from_numpy(scores),
-    )
-    if squeeze:
-        out = DDTree(*(t[0] for t in out))
-    return out
 
 
 # ----------------------------------------------------------------------------------
@@ -591,7 +494,7 @@ def build_trees(
             these tensors: CUDA, or CPU with ``TRITON_INTERPRET=1``; else torch).
 
     Returns:
-        :class:`DDTree` with [R, B+1] tensors, identical to :func:`build_tree_reference`
+        :class:`DDTree` with [R, B+1] tensors, identical to ``build_tree_reference``
         (tokens, parents, depths, valid; scores bitwise) whenever the candidate sets
         agree (always, unless two tokens tie at the K-th place of a position).
     """

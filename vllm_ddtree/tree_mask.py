@@ -24,12 +24,9 @@ from ._triton import can_use_triton, launcher, tl, varying_args
 
 __all__ = [
     "rewrite_tree_positions_",
-    "rewrite_tree_positions_reference",
     "tree_ancestor_mask",
-    "tree_ancestor_mask_reference",
     "tree_attention_bias",
     "tree_positions",
-    "tree_positions_reference",
 ]
 
 
@@ -40,31 +37,6 @@ def _check_parents(node_parents: torch.Tensor) -> None:
         raise TypeError(f"node_parents must be an integer tensor, got {node_parents.dtype}")
     if node_parents.shape[1] < 1:
         raise ValueError("a tree needs at least the root node (N >= 1)")
-
-
-def tree_ancestor_mask_reference(node_parents: torch.Tensor) -> torch.Tensor:
-    """Loop version: ``mask[r, i, j]`` is True iff j == i or j is an ancestor of i.
-
-    Args:
-        node_parents: [R, N] int, root -1.
-    Returns:
-        [R, N, N] bool (CPU).
-    """
-    _check_parents(node_parents)
-    parents = node_parents.cpu().tolist()
-    num_req, n = node_parents.shape
-    mask = torch.zeros(num_req, n, n, dtype=torch.bool)
-    for r in range(num_req):
-        for i in range(n):
-            j = i
-            steps = 0
-            while j >= 0:
-                if j >= n or steps > n:
-                    raise ValueError(f"request {r}: node {i} has a broken parent chain")
-                mask[r, i, j] = True
-                j = parents[r][j]
-                steps += 1
-    return mask
 
 
 def tree_ancestor_mask(node_parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
@@ -134,16 +106,6 @@ def tree_positions(node_depths: torch.Tensor, start_positions: torch.Tensor) -> 
             f"{tuple(start_positions.shape)}"
         )
     return start_positions.long()[:, None] + node_depths.long()
-
-
-def tree_positions_reference(node_depths: torch.Tensor, start_positions: torch.Tensor) -> torch.Tensor:
-    """Loop version of :func:`tree_positions`."""
-    num_req, n = node_depths.shape
-    out = torch.empty(num_req, n, dtype=torch.int64)
-    for r in range(num_req):
-        for i in range(n):
-            out[r, i] = int(start_positions[r]) + int(node_depths[r, i])
-    return out
 
 
 # ----------------------------------------------- in-place rewrite of verified positions
@@ -273,23 +235,3 @@ def rewrite_tree_positions_(
     return linear
 
 
-def rewrite_tree_positions_reference(
-    positions: torch.Tensor,
-    logits_indices: torch.Tensor,
-    expanded_local_pos: torch.Tensor,
-    expanded_idx_mapping: torch.Tensor,
-    depths_by_state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loop version of :func:`rewrite_tree_positions_` (tests): returns new
-    ``(positions, linear)`` on the CPU and leaves the inputs alone."""
-    pos = positions.cpu().tolist()
-    rows = logits_indices.cpu().tolist()
-    local = expanded_local_pos.cpu().tolist()
-    states = expanded_idx_mapping.cpu().tolist()
-    depths = depths_by_state.cpu().tolist()
-    linear = []
-    for row, l, s in zip(rows, local, states):
-        linear.append(pos[row])
-        pos[row] = pos[row] - l + depths[s][l]
-    return (torch.tensor(pos, dtype=positions.dtype),
-            torch.tensor(linear, dtype=positions.dtype))

@@ -45,7 +45,7 @@ import torch
 
 from ._triton import can_use_triton, launcher, next_power_of_2, tl
 
-__all__ = ["TreeWalk", "empty_walk", "walk_tree", "walk_tree_fused", "walk_tree_reference"]
+__all__ = ["TreeWalk", "empty_walk", "walk_tree", "walk_tree_fused"]
 
 
 class TreeWalk(NamedTuple):
@@ -76,45 +76,6 @@ def _check_inputs(node_tokens, node_parents, node_valid, target_tokens, max_dept
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
     if shape[1] < 1:
         raise ValueError("a tree needs at least the root node (N >= 1)")
-
-
-def walk_tree_reference(
-    node_tokens: torch.Tensor,
-    node_parents: torch.Tensor,
-    node_valid: torch.Tensor,
-    target_tokens: torch.Tensor,
-    max_depth: int,
-    pad_id: int = -1,
-) -> TreeWalk:
-    """Plain-Python walk (the definition); see the module docstring. CPU outputs."""
-    _check_inputs(node_tokens, node_parents, node_valid, target_tokens, max_depth)
-    tokens = node_tokens.cpu().tolist()
-    parents = node_parents.cpu().tolist()
-    valid = node_valid.cpu().tolist()
-    target = target_tokens.cpu().tolist()
-    num_req, n = node_tokens.shape
-    accepted = torch.full((num_req, max_depth + 1), -1, dtype=torch.int64)
-    out_tokens = torch.full((num_req, max_depth + 1), pad_id, dtype=torch.int64)
-    num_acc = torch.zeros(num_req, dtype=torch.int32)
-    for r in range(num_req):
-        path = [0]
-        cur = 0
-        while len(path) <= max_depth:
-            nxt = None
-            for c in range(n):  # lowest index first
-                if valid[r][c] and parents[r][c] == cur and tokens[r][c] == target[r][cur]:
-                    nxt = c
-                    break
-            if nxt is None:
-                break
-            path.append(nxt)
-            cur = nxt
-        k = len(path) - 1
-        emitted = [tokens[r][i] for i in path[1:]] + [target[r][cur]]
-        accepted[r, : k + 1] = torch.tensor(path)
-        out_tokens[r, : k + 1] = torch.tensor(emitted)
-        num_acc[r] = k
-    return TreeWalk(accepted, num_acc, out_tokens, num_acc + 1)
 
 
 def walk_tree(

@@ -15,9 +15,12 @@ from vllm_ddtree.kv_compaction import (
     compact_kv_cache_reference_,
     compact_rows_,
 )
-from vllm_ddtree.tree_builder import build_tree_reference, build_trees, empty_tree
-from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_ancestor_mask_reference, tree_attention_bias
-from vllm_ddtree.tree_walk import walk_tree, walk_tree_reference
+from vllm_ddtree.tree_builder import build_trees, empty_tree
+from tests.references import build_tree_reference
+from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias
+from tests.references import tree_ancestor_mask_reference
+from vllm_ddtree.tree_walk import walk_tree
+from tests.references import walk_tree_reference
 
 pytestmark = [
     pytest.mark.gpu,

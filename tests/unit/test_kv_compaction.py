@@ -8,14 +8,8 @@ import pytest
 import torch
 
 from vllm_ddtree import _triton
-from vllm_ddtree.kv_compaction import (
-    _compact_kv_kernel,
-    accepted_slot_moves,
-    compact_kv_cache_,
-    compact_kv_cache_reference_,
-    compact_rows_,
-    compact_rows_reference_,
-)
+from vllm_ddtree.kv_compaction import _compact_kv_kernel, accepted_slot_moves, compact_kv_cache_, compact_kv_cache_reference_, compact_rows_
+from tests.references import compact_rows_reference_
 from vllm_ddtree.tree_builder import build_trees
 from vllm_ddtree.tree_walk import walk_tree
 

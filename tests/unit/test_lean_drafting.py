@@ -22,7 +22,8 @@ from vllm_ddtree.budget import (
     expand_schedule,
 )
 from vllm_ddtree.context_store_graphs import padded_graph_size
-from vllm_ddtree.tree_builder import DDTree, build_tree_reference, build_trees, empty_tree
+from vllm_ddtree.tree_builder import DDTree, build_trees, empty_tree
+from tests.references import build_tree_reference
 
 
 def test_draft_shape_is_bounded_by_the_budget():

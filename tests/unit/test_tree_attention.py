@@ -22,14 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ddtree.tree_attention import (
-    allocate_tree_attn_bias,
-    check_tree_parents,
-    reference_paged_attention,
-    register_tree_attn_bias,
-    tree_ancestor_mask,
-    write_tree_attn_bias,
-)
+from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, register_tree_attn_bias, tree_ancestor_mask, write_tree_attn_bias
+from tests.references import reference_paged_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCH = os.path.join(ROOT, "patches", "attention_triton-per-request-tree-bias.patch")

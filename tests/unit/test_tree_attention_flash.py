@@ -17,10 +17,7 @@ pytest.importorskip("vllm")
 
 from tests.unit.tree_split_cases import D, HKV, HQ, NODES, PARENTS, SCALE  # noqa: E402
 from tests.unit.tree_split_cases import dense_reference, make_batch  # noqa: E402
-from vllm_ddtree.tree_attention import (  # noqa: E402
-    reference_context_attention,
-    reference_paged_attention,
-)
+from tests.references import reference_context_attention, reference_paged_attention  # noqa: E402
 
 
 def _fake_varlen(calls):

@@ -15,7 +15,7 @@ from vllm_ddtree.tree_attention import (
     write_tree_attn_bias,
     write_tree_attn_bias_fused,
 )
-from vllm_ddtree.tree_builder import build_tree_reference
+from tests.references import build_tree_reference
 
 SENTINEL = 7.0  # rows past the batch must keep it
 

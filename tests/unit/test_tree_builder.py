@@ -10,17 +10,8 @@ import pytest
 import torch
 
 from vllm_ddtree import _triton
-from vllm_ddtree.tree_builder import (
-    DDTree,
-    _build_tree_kernel,
-    build_tree_reference,
-    build_trees,
-    _logsumexp_kernel,
-    draft_log_normalizer,
-    draft_topk,
-    empty_tree,
-    resolve_top_k,
-)
+from vllm_ddtree.tree_builder import DDTree, _build_tree_kernel, build_trees, _logsumexp_kernel, draft_log_normalizer, draft_topk, empty_tree, resolve_top_k
+from tests.references import build_tree_reference
 
 
 def _assert_same_tree(ref: DDTree, got: DDTree, what: str = "") -> None:

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from vllm_ddtree.tree_builder import build_trees
-from vllm_ddtree.tree_mask import (
-    tree_ancestor_mask,
-    tree_ancestor_mask_reference,
-    tree_attention_bias,
-    tree_positions,
-    tree_positions_reference,
-)
+from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias, tree_positions
+from tests.references import tree_ancestor_mask_reference, tree_positions_reference
 
 
 def _random_parents(num_req: int, n: int, gen: torch.Generator) -> torch.Tensor:

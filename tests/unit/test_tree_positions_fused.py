@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.tree_mask import rewrite_tree_positions_, rewrite_tree_positions_reference
+from vllm_ddtree.tree_mask import rewrite_tree_positions_
+from tests.references import rewrite_tree_positions_reference
 
 SENTINEL = -7  # linear_out entries past n must keep it
 

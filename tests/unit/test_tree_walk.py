@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vllm_ddtree.tree_builder import build_trees
-from vllm_ddtree.tree_walk import TreeWalk, walk_tree, walk_tree_reference
+from vllm_ddtree.tree_walk import TreeWalk, walk_tree
+from tests.references import walk_tree_reference
 
 
 def _assert_same_walk(ref: TreeWalk, got: TreeWalk) -> None:

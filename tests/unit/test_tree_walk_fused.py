@@ -12,14 +12,10 @@ import pytest
 import torch
 
 import vllm_ddtree.tree_walk as tw
-from vllm_ddtree.tree_builder import build_tree_reference, build_trees
-from vllm_ddtree.tree_walk import (
-    TreeWalk,
-    empty_walk,
-    step_walk_outputs,
-    walk_tree_fused,
-    walk_tree_reference,
-)
+from vllm_ddtree.tree_builder import build_trees
+from tests.references import build_tree_reference
+from vllm_ddtree.tree_walk import TreeWalk, empty_walk, step_walk_outputs, walk_tree_fused
+from tests.references import walk_tree_reference
 
 
 # --------------------------------------------------------------------------- reference

@@ -35,14 +35,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from vllm_ddtree.tree_attention import (  # noqa: E402
-    allocate_tree_attn_bias,
-    check_tree_parents,
-    reference_context_attention,
-    reference_paged_attention,
-    tree_ancestor_mask,
-    write_tree_attn_bias,
-)
+from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, tree_ancestor_mask, write_tree_attn_bias  # noqa: E402
+from tests.references import reference_context_attention, reference_paged_attention  # noqa: E402
 
 OPS = "vllm/v1/attention/ops"
 KERNEL = "triton_unified_attention.py"

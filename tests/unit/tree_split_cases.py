@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.tree_attention import (
-    allocate_tree_attn_bias,
-    reference_context_attention,
-    reference_paged_attention,
-    write_tree_attn_bias,
-)
-from vllm_ddtree.tree_mask import tree_ancestor_mask_reference
+from vllm_ddtree.tree_attention import allocate_tree_attn_bias, write_tree_attn_bias
+from tests.references import reference_context_attention, reference_paged_attention
+from tests.references import tree_ancestor_mask_reference
 
 HQ, HKV, D, BLOCK, NODES = 4, 2, 16, 4, 6
 SCALE = D**-0.5
