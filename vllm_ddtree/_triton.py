@@ -82,7 +82,6 @@ def jit(fn: Callable[..., Any]) -> Any:
 # Triton's own launch path. On by default: the fused-kernel GPU tests
 # pass through it (bench/results/gpu-direct-launch-tests.log) and engines with and
 # without it accept identically (bench/results/bench-direct-launch.json.gz).
-DIRECT_LAUNCH_ENV = env.DIRECT_LAUNCH.name
 direct_launch_enabled = env.direct_launch_enabled
 logger = logging.getLogger("vllm.ddtree")
 

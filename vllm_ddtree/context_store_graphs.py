@@ -36,7 +36,6 @@ import torch
 
 from vllm_ddtree import env
 
-CONTEXT_GRAPHS_ENV = env.CONTEXT_GRAPHS.name
 context_graphs_enabled = env.context_graphs_enabled
 # vLLM's PAD_SLOT_ID: KV-cache inserts skip negative slots.
 PAD_SLOT_ID = -1

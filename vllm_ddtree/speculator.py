@@ -79,7 +79,6 @@ from vllm_ddtree.tree_walk import step_walk_outputs, walk_tree, walk_tree_fused
 # and the copy of the new trees into the by-state tables.
 # VLLM_DDTREE_FUSED_KERNELS=0 selects the earlier multi-launch torch/Triton paths
 # (same results), e.g. to bisect a problem.
-FUSED_KERNELS_ENV = env.FUSED_KERNELS.name
 fused_kernels_enabled = env.fused_kernels_enabled
 
 
@@ -88,7 +87,6 @@ fused_kernels_enabled = env.fused_kernels_enabled
 # verified trees are the same up to top-K ties). Off by default: on the H200 with the
 # benchmark pair it made the batch-64 drafting stage slower, not faster (1.97 -> 3.43
 # ms p50, bench/results/2026-11-29-drafting-off-lean-drafting/), for a reason not yet found.
-LEAN_DRAFT_ENV = env.LEAN_DRAFT.name
 lean_draft_enabled = env.lean_draft_enabled
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from vllm_ddtree.context_store_graphs import (
-    CONTEXT_GRAPHS_ENV,
     PAD_SLOT_ID,
     ContextStoreGraphs,
     context_graphs_enabled,
     padded_graph_size,
 )
+from vllm_ddtree.env import CONTEXT_GRAPHS
 
 HIDDEN, MAX_TOKENS, NUM_SLOTS = 8, 64, 256
 
@@ -105,13 +105,13 @@ def test_without_graphs_every_call_runs_the_store_eagerly():
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("off", False), ("yes", True)])
 def test_switch(monkeypatch, value, expected):
-    monkeypatch.setenv(CONTEXT_GRAPHS_ENV, value)
+    monkeypatch.setenv(CONTEXT_GRAPHS.name, value)
     assert context_graphs_enabled() is expected
 
 
 def test_switch_rejects_garbage(monkeypatch):
-    monkeypatch.setenv(CONTEXT_GRAPHS_ENV, "maybe")
-    with pytest.raises(ValueError, match=CONTEXT_GRAPHS_ENV):
+    monkeypatch.setenv(CONTEXT_GRAPHS.name, "maybe")
+    with pytest.raises(ValueError, match=CONTEXT_GRAPHS.name):
         context_graphs_enabled()
 
 

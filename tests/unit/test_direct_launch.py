@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from vllm_ddtree import _triton
+from vllm_ddtree import _triton, env
 
 
 class _Param:
@@ -145,14 +145,14 @@ def test_hooks_count_only_when_they_would_run():
 
 def test_launcher_is_plain_jit_under_the_interpreter_or_when_switched_off(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
+    monkeypatch.setenv(env.DIRECT_LAUNCH.name, "1")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.delenv(_triton.DIRECT_LAUNCH_ENV)
+    monkeypatch.delenv(env.DIRECT_LAUNCH.name)
     assert isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)  # on by default
-    monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "0")
+    monkeypatch.setenv(env.DIRECT_LAUNCH.name, "0")
     assert not isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
-    monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
+    monkeypatch.setenv(env.DIRECT_LAUNCH.name, "1")
     assert isinstance(_triton.launcher(_kernel), _triton.DirectLauncher)
 
 
@@ -171,7 +171,7 @@ def test_direct_launch_on_the_gpu_matches_tritons_launch(monkeypatch):
     """First launch through Triton, the next ones straight to the compiled launcher:
     same results, the constexpr default passed, one cache entry per specialisation."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv(_triton.DIRECT_LAUNCH_ENV, "1")
+    monkeypatch.setenv(env.DIRECT_LAUNCH.name, "1")
     launch = _triton.launcher(_axpb_kernel)
     assert isinstance(launch, _triton.DirectLauncher)
     x = torch.arange(64, dtype=torch.float32, device="cuda")

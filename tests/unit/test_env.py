@@ -37,13 +37,13 @@ def test_other_values_are_refused_naming_the_variable(monkeypatch, value):
 
 def test_every_switch_uses_it(monkeypatch):
     pytest.importorskip("vllm")
-    from vllm_ddtree import _triton, context_store_graphs, speculator
+    from vllm_ddtree import _triton, context_store_graphs, env, speculator
 
-    for name, read in ((_triton.DIRECT_LAUNCH_ENV, _triton.direct_launch_enabled),
-                       (context_store_graphs.CONTEXT_GRAPHS_ENV,
+    for name, read in ((env.DIRECT_LAUNCH.name, _triton.direct_launch_enabled),
+                       (env.CONTEXT_GRAPHS.name,
                         context_store_graphs.context_graphs_enabled),
-                       (speculator.FUSED_KERNELS_ENV, speculator.fused_kernels_enabled),
-                       (speculator.LEAN_DRAFT_ENV, speculator.lean_draft_enabled)):
+                       (env.FUSED_KERNELS.name, speculator.fused_kernels_enabled),
+                       (env.LEAN_DRAFT.name, speculator.lean_draft_enabled)):
         monkeypatch.setenv(name, "perhaps")
         with pytest.raises(ValueError, match=name):
             read()

@@ -379,7 +379,9 @@ def test_batches_with_a_budget_draft_as_usual(monkeypatch):
 
 
 def test_lean_drafting_is_opt_in(monkeypatch):
-    from vllm_ddtree.speculator import LEAN_DRAFT_ENV, lean_draft_enabled
+    from vllm_ddtree.env import LEAN_DRAFT, lean_draft_enabled
+
+    LEAN_DRAFT_ENV = LEAN_DRAFT.name
 
     monkeypatch.delenv(LEAN_DRAFT_ENV, raising=False)
     assert not lean_draft_enabled()
