@@ -4,9 +4,10 @@ order between rounds), never written by hand.
 
 Per cell (suite, prompt set, batch, temperature, mode) and engine: the median of every
 repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
-and tau. The engines are matched by role: ``no-spec``; the chain is the config whose
-method is ``dflash``; DDTree the one whose method is ``ddtree`` (give ``--ddtree`` /
-``--dflash`` to pick one when a file has several). Also writes a markdown table
+and tau. The engines are matched by role, from their config names (bench/run.py):
+``no-spec`` (plain decoding as vLLM runs it; its ``+flag`` variants are left out); the
+chain is the config named ``dflash...``; DDTree the one named ``ddtree...`` (give
+``--ddtree`` / ``--dflash`` to pick one when a file has several). Also writes a markdown table
 (``--table``) with the ratios the goal is stated in: DDTree / the better of plain
 decoding and the chain (goal >= 0.97 everywhere), DDTree / plain decoding.
 
@@ -31,9 +32,8 @@ GOAL_RATIO = 0.97
 
 def _role(result: dict, ddtree: str | None, dflash: str | None) -> str | None:
     config = result["config"]
-    method = result.get("method")
-    if config == "no-spec" or method is None and config.startswith("no-spec"):
-        return "no-spec" if config == "no-spec" else None
+    if config == "no-spec":
+        return "no-spec"
     if config.startswith("dflash") and (dflash is None or config == dflash):
         return "dflash"
     if config.startswith("ddtree") and (ddtree is None or config == ddtree):

@@ -68,9 +68,9 @@ budget accepts at least what a smaller one just measured), never on an extrapola
 of a short probe. A bucket that drafts probes, in turn, budget 0 (what a step costs
 without drafting is what no drafting step's time tells: the drafter's share), and the
 next allowed budget above and below its choice (``probe_when_drafting``), so a
-pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that changes nothing doubles the interval (from
-``probe_interval_min`` = 32 up to ``probe_interval_max`` = 1024 of the bucket's steps);
-a change of choice resets it. So a workload change is noticed within about
+pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
+changes nothing doubles the interval (from ``probe_interval_min`` = 32 up to
+``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it. So a workload change is noticed within about
 ``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
 backed off probes take a probe's length per ``probe_interval_max`` steps (under 1 %
 at batch 8, ~6 % at batch 1, where a probe needs 64 steps for 64 requests).
@@ -125,7 +125,8 @@ def interpolate(points: Mapping[int, float], x: float) -> float:
     return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
 
 
-def _curve(curve: Curve, x: int) -> float:
+def curve_value(curve: Curve, x: int) -> float:
+    """``curve`` at ``x``: a number, a ``{x: y}`` table (:func:`interpolate`) or a callable."""
     if callable(curve):
         return float(curve(x))
     if isinstance(curve, Mapping):
@@ -158,10 +159,10 @@ class StartupCost:
 
     def __call__(self, batch: int, budget: int) -> float:
         if budget == 0:
-            return (self.host_ms + _curve(self.target_forward_ms, batch)
-                    + _curve(self.context_store_ms, batch))
-        return (self.host_ms + _curve(self.target_forward_ms, batch * (budget + 1))
-                + _curve(self.drafter_ms, batch) + self.tree_ms_per_step
+            return (self.host_ms + curve_value(self.target_forward_ms, batch)
+                    + curve_value(self.context_store_ms, batch))
+        return (self.host_ms + curve_value(self.target_forward_ms, batch * (budget + 1))
+                + curve_value(self.drafter_ms, batch) + self.tree_ms_per_step
                 + self.tree_ms_per_node * batch * budget)
 
 
@@ -491,24 +492,35 @@ class BudgetController:
         est = bk.estimate = self._estimate(i)
         if bk.probing is not None:
             return False
-        scores, best, cur = est["scores"], est["best"], bk.choice
-        if cur == 0:  # on again only on measured evidence
-            scores, best = est["scores_lower"], est["best_lower"]
         if bk.since_switch >= self.min_hold and bk.since_probe >= bk.probe_interval:
             target = self._probe_target(bk)
             if target is not None:
                 bk.probing, bk.probe_done, bk.probe_requests, bk.probe_seen = target, 0, 0, 0
                 bk.probes += 1
                 return self._set(i, target)
-        if best != cur and bk.since_switch >= self.min_hold and \
-                scores[self._index[best]] > (1.0 + self.margin * bk.margin_scale) * scores[self._index[cur]]:
+        best = self._better(bk, est)
+        if best is not None and bk.since_switch >= self.min_hold:
             self._switch(bk, best)
             return self._set(i, best)
         return False
 
+    def _better(self, bk: _Bucket, est: dict) -> int | None:
+        """The bucket's best budget if it beats the current choice by the bucket's
+        margin, else None. From off, only on measured evidence (the lower bound)."""
+        cur = bk.choice
+        if cur == 0:
+            scores, best = est["scores_lower"], est["best_lower"]
+        else:
+            scores, best = est["scores"], est["best"]
+        margin = 1.0 + self.margin * bk.margin_scale
+        if best != cur and scores[self._index[best]] > margin * scores[self._index[cur]]:
+            return best
+        return None
+
     def _probe_target(self, bk: _Bucket) -> int | None:
-        """The budget to probe: ``probe_budget`` when off; while drafting, the next
-        allowed level above and below the choice in turn (None: no probe)."""
+        """The budget to probe: ``probe_budget`` when off; while drafting, in turn,
+        budget 0 and the next allowed level above and below the choice (None: no
+        probe)."""
         allowed = [b for b, ok in zip(self.levels, self._allowed(bk)) if ok]
         if bk.choice == 0:
             return self.probe_budget if self.probe_budget in allowed else (
@@ -537,15 +549,12 @@ class BudgetController:
         bk.dirty = False
         bk.since_probe = 0
         est = bk.estimate = self._estimate(i)
-        scores, best, cur = est["scores"], est["best"], bk.choice
-        if cur == 0:  # on again only on measured evidence
-            scores, best = est["scores_lower"], est["best_lower"]
-        if best != cur and \
-                scores[self._index[best]] > (1.0 + self.margin * bk.margin_scale) * scores[self._index[cur]]:
+        best = self._better(bk, est)
+        if best is not None:
             self._switch(bk, best)
             return self._set(i, best)
         bk.probe_interval = min(2 * bk.probe_interval, self.probe_interval_max)
-        return self._set(i, cur)
+        return self._set(i, bk.choice)
 
     def _switch(self, bk: _Bucket, budget: int) -> None:
         if budget == bk.left and bk.steps - bk.left_at <= FLAP_WINDOW_STEPS:
@@ -640,7 +649,7 @@ class BudgetController:
             n_rep = math.sqrt(bk.lo * bk.hi)
         n_int = min(max(int(round(n_rep)), bk.lo), bk.hi)
         # Acceptance, budgets > 0 (index 0 of the cells is budget 0, unused).
-        prior = [0.0] + [max(0.0, _curve(self.prior_accepted, b)) for b in lv[1:]]
+        prior = [0.0] + [max(0.0, curve_value(self.prior_accepted, b)) for b in lv[1:]]
         found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:], True))
         if found is None:
             acc_v, acc_w = prior[1:], [self.prior_weight] * (len(lv) - 1)

@@ -33,6 +33,7 @@ measures what the drafter really costs.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import logging
@@ -42,7 +43,8 @@ from typing import Any
 
 from vllm_ddtree import env
 from vllm_ddtree.budget import budget_levels, table_ranges
-from vllm_ddtree.budget_controller import BudgetController, StartupCost, StepStats
+from vllm_ddtree.budget_controller import BudgetController, StartupCost, StepStats, curve_value
+from vllm_ddtree.cost_model import largest_cuda_graph_tokens, measured_forward_ms
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -62,6 +64,8 @@ METRICS_REFRESH_STEPS = 64
 # forward flat up to this many tokens, then linear, in arbitrary units; the measured
 # step times correct it.
 FALLBACK_KNEE_TOKENS = 128
+# The drafter's share of a target forward when either model's layer count is unknown.
+FALLBACK_DRAFTER_SHARE = 0.25
 
 
 def online_budget_on(spec_config: Any) -> bool:
@@ -104,30 +108,17 @@ def startup_cost(vllm_config: Any, forward_ms: dict[int, float] | None) -> Start
     curve: Any = dict(forward_ms) if forward_ms else fallback_forward_ms
     target_layers = _num_layers(getattr(vllm_config, "model_config", None))
     drafter_layers = _num_layers(getattr(spec, "draft_model_config", None))
-    share = (drafter_layers / target_layers) if target_layers and drafter_layers else 0.25
-    depth = int(getattr(spec, "ddtree_max_depth", None) or 15)
-
-    def forward(tokens: int) -> float:
-        if callable(curve):
-            return float(curve(tokens))
-        from vllm_ddtree.budget_controller import interpolate
-
-        return interpolate(curve, tokens)
-
-    return StartupCost(target_forward_ms=forward,
-                       drafter_ms=lambda n: share * forward(n * (1 + depth)))
+    share = (drafter_layers / target_layers if target_layers and drafter_layers
+             else FALLBACK_DRAFTER_SHARE)
+    query = 1 + int(spec.ddtree_max_depth)
+    return StartupCost(target_forward_ms=curve,
+                       drafter_ms=lambda n: share * curve_value(curve, n * query))
 
 
 def _num_layers(model_config: Any) -> int | None:
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     n = getattr(hf, "num_hidden_layers", None)
     return int(n) if isinstance(n, int) and n > 0 else None
-
-
-def _largest_graph_tokens(vllm_config: Any) -> int | None:
-    from vllm_ddtree.cost_model import largest_cuda_graph_tokens
-
-    return largest_cuda_graph_tokens(vllm_config)
 
 
 class OnlineBudget:
@@ -143,7 +134,7 @@ class OnlineBudget:
         scheduler = vllm_config.scheduler_config
         verified_cap = getattr(scheduler, "max_num_scheduled_tokens", None) or \
             getattr(scheduler, "max_num_batched_tokens", None)
-        graphs = _largest_graph_tokens(vllm_config)
+        graphs = largest_cuda_graph_tokens(vllm_config)
         if graphs is not None:
             # A decode step larger than the largest CUDA graph runs without one.
             verified_cap = min(verified_cap, graphs) if verified_cap else graphs
@@ -160,7 +151,6 @@ class OnlineBudget:
         self._last_output_t: float | None = None
         self._last_log_t = -math.inf
         self._changed_since_log = False
-        self._level_at_most = {}
         self.report_path = env.budget_report_path()
         self.steps_observed = 0
         self._metrics: dict | None = None
@@ -171,11 +161,7 @@ class OnlineBudget:
     def _level(self, drafts: int) -> int:
         """The largest level at most ``drafts`` (a step whose requests were all cut
         short of the scheduled budget, e.g. near max_model_len)."""
-        level = self._level_at_most.get(drafts)
-        if level is None:
-            level = max(b for b in self.levels if b <= drafts)
-            self._level_at_most[drafts] = level
-        return level
+        return self.levels[bisect.bisect_right(self.levels, drafts) - 1]
 
     def observe(self, scheduler_output: Any, model_runner_output: Any) -> None:
         """One step's output (the scheduler's hook in ``update_from_output``)."""
@@ -284,7 +270,5 @@ def make_online_budget(vllm_config: Any, static_lookup: list[int] | None,
     spec = getattr(vllm_config, "speculative_config", None)
     if not online_budget_on(spec):
         return None
-    from vllm_ddtree.cost_model import measured_forward_ms
-
     return OnlineBudget(vllm_config, static_lookup, max_num_seqs,
                         forward_ms=measured_forward_ms())

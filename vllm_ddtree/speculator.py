@@ -41,7 +41,6 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
 from vllm_ddtree.budget import draft_shape, drafting_budgets, table_ranges
-from vllm_ddtree.online_budget import online_budget_on
 from vllm_ddtree.context_store_graphs import (
     ContextStoreGraphs,
     context_graphs_enabled,
@@ -56,6 +55,7 @@ from vllm_ddtree.kv_compaction import (
     compact_kv_cache_,
 )
 from vllm_ddtree.kv_layout import check_tree_kv_layout
+from vllm_ddtree.online_budget import online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import (

@@ -261,15 +261,19 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     return spec, calls
 
 
+def _schedule_next(spec, num_reqs):
+    """What the scheduler verifies after this step (num_spec_tokens_to_schedule,
+    handed over by prepare_tree_verification): its lookup at this batch size."""
+    table = spec._budget_by_batch
+    spec._next_budget = spec.tree_budget if table is None else table[num_reqs]
+
+
 def _propose(spec, num_reqs, hidden):
     from vllm_ddtree.speculator import DDTreeSpeculator
 
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=hidden.shape[0],
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs]))
-    # What the scheduler verifies next (num_spec_tokens_to_schedule, handed over by
-    # prepare_tree_verification): its lookup at this batch size.
-    table = spec._budget_by_batch
-    spec._next_budget = spec.tree_budget if table is None else table[num_reqs]
+    _schedule_next(spec, num_reqs)
     z = torch.zeros(num_reqs)
     return DDTreeSpeculator.propose(spec, batch, {}, {}, hidden, None, z, z, z, z, z, z)
 
@@ -335,7 +339,7 @@ def _propose_aux(spec, num_reqs, num_tokens, positions):
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
                                   positions=positions[:num_tokens])
     aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
-    spec._next_budget = spec._budget_by_batch[num_reqs]  # the scheduler's, as in _propose
+    _schedule_next(spec, num_reqs)
     z = torch.zeros(num_reqs)
     DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
                              z, z, z, z, z, z)
