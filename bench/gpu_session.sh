@@ -422,6 +422,7 @@ case "$step" in
       timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
         --configs "$config" --max-tokens 64 --out-dir "$OUT/profile" \
         ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
+        ${GAP_PROFILE_SYNC:+--sync-stacks} \
         >> "$OUT/profile/profile-step.log" 2>&1
       echo "gap profile $config rc=$?"
     done

@@ -22,6 +22,11 @@ Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofil
 and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
 https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
 
+``--sync-stacks`` adds one more pass under torch.profiler with Python stacks: every
+call that makes the host wait for the GPU (``cudaStreamSynchronize``...), by the Python
+frames around it (``sync_stacks`` in the numbers). With asynchronous scheduling a
+decode step should have none: one takes away the overlap of host and GPU work.
+
 ``--engine-process mp`` profiles the engine as ``vllm serve`` runs it, in its own
 process: through vLLM's own torch profiler (``profiler_config``, with Python stacks),
 whose trace of the engine process is summarised the same way plus the Python
@@ -127,6 +132,10 @@ def summarize_torch_profile(prof, top: int = 25) -> dict:
 # pageable memory blocks too); their time is attributed to the calling Python function.
 BLOCKING_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                           "cudaEventSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
+# The calls that always wait for the GPU (a copy may not): ``--sync-stacks`` reports
+# each with the Python frames around it.
+SYNC_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
+SYNC_STACK_FRAMES = 10
 
 
 def _caller(stack: list[list]) -> str:
@@ -160,6 +169,7 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
     inclusive: dict[str, list[float]] = {}
     runtime: dict[str, list[float]] = {}
     blocking: dict[str, list[float]] = {}
+    sync_stacks: dict[str, list[float]] = {}
     threads: dict[tuple, list[dict]] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -186,6 +196,9 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
                 add(runtime, e["name"], e["dur"])
                 if e["name"] in BLOCKING_RUNTIME_CALLS:
                     add(blocking, f"{e['name']} <- {_caller(stack)}", e["dur"])
+                if e["name"] in SYNC_RUNTIME_CALLS:
+                    frames = [f[0]["name"] for f in stack[-SYNC_STACK_FRAMES:]]
+                    add(sync_stacks, " <- ".join([e["name"]] + frames[::-1]), e["dur"])
                 continue
             stack.append([e, 0.0])
     span = (max(b for _, b in kernels) - min(a for a, _ in kernels)) if kernels else 0.0
@@ -209,6 +222,8 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
         "top_python_inclusive_time": ranked(inclusive, "us_per_step", 160),
         "cuda_runtime_per_step": ranked(runtime, "us_per_step", 80),
         "blocking_runtime_calls_by_caller": ranked(blocking, "us_per_step", 200),
+        # Innermost frame first.
+        "synchronizations_by_stack": ranked(sync_stacks, "us_per_step", 2000),
     }
 
 
@@ -305,6 +320,8 @@ def profile_config(args, name: str, prompts) -> dict:
     rec["torch_profile"] = summarize_torch_profile(tprof)
     rec["torch_profile"]["gpu_busy_ms_per_step"] = round(
         rec["torch_profile"]["gpu_busy_ms"] / max(steps, 1), 3)
+    if args.sync_stacks:
+        rec["sync_stacks"] = sync_stacks_pass(llm, args, prompts, steps)
     if args.trace:
         raw = os.path.join(args.out_dir, f"profile-{file_stem(name)}-trace.json")
         tprof.export_chrome_trace(raw)
@@ -313,6 +330,28 @@ def profile_config(args, name: str, prompts) -> dict:
         os.remove(raw)
     _free(llm)
     return rec
+
+
+def sync_stacks_pass(llm, args, prompts, steps: int) -> dict:
+    """One more pass under torch.profiler with Python stacks: every call that makes the
+    host wait for the GPU (``SYNC_RUNTIME_CALLS``) with the Python frames around it, and
+    the calls that may block (copies) by caller. A synchronisation inside the decode loop
+    takes away asynchronous scheduling's overlap of host and GPU work."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as tprof:
+        workload(llm, args, prompts)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        tprof.export_chrome_trace(path)
+        summary = summarize_chrome_trace(read_json(path), steps)
+    return {k: summary[k] for k in ("synchronizations_by_stack",
+                                     "blocking_runtime_calls_by_caller")}
 
 
 def profile_config_mp(args, name: str, prompts) -> dict:
@@ -369,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzip)")
+    ap.add_argument("--sync-stacks", action="store_true",
+                    help="one more pass with Python stacks: where the host waits for the GPU")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
                     help="inproc: cProfile + torch.profiler in this process; mp: the engine "

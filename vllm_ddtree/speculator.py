@@ -95,6 +95,17 @@ lean_draft_enabled = env.lean_draft_enabled
 logger = init_logger("vllm.ddtree.speculator")
 
 
+def clear_trees_(valid_by_state: torch.Tensor, idx_mapping: torch.Tensor,
+                 no_tree: torch.Tensor) -> None:
+    """Make the trees of the states in ``idx_mapping`` root-only (every node but the
+    root invalid). ``no_tree`` is a 0-dim ``False`` on the device: a Python ``False``
+    in an indexed assignment is copied from pageable host memory with a stream
+    synchronisation on every call, which on a budget-0 step (one call a step) stalled
+    the host until the GPU had finished the step and undid asynchronous scheduling's
+    overlap (bench/results/2026-12-01-budget-0-host-sync/)."""
+    valid_by_state[idx_mapping, 1:] = no_tree
+
+
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
@@ -134,6 +145,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.depths_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
         self.valid_by_state = torch.zeros(shape, dtype=torch.bool, device=device)
         self.tokens_by_state = torch.zeros(shape, dtype=torch.int64, device=device)
+        # The value clear_trees_ writes, kept on the device.
+        self._no_tree = torch.zeros((), dtype=torch.bool, device=device)
 
         # Per-request ancestor-only bias read by the patched TRITON_ATTN backend.
         self.tree_attn_bias = allocate_tree_attn_bias(
@@ -231,7 +244,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.model.precompute_and_store_context_kv(
             self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
         )
-        self.valid_by_state[input_batch.idx_mapping, 1:] = False
+        clear_trees_(self.valid_by_state, input_batch.idx_mapping, self._no_tree)
 
     def _prepare_drafter_inputs(
         self,
@@ -468,7 +481,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1,
                   out=graphs.states[:num_tokens])
         graphs.replay(num_tokens)
-        self.valid_by_state[input_batch.idx_mapping, 1:] = False
+        clear_trees_(self.valid_by_state, input_batch.idx_mapping, self._no_tree)
         return True
 
     def _drafter_graph_batch_sizes(self) -> list[int]:

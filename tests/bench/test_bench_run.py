@@ -421,6 +421,9 @@ def test_chrome_trace_summary_attributes_blocking_runtime_calls_to_python_caller
     assert blocking == {"cudaStreamSynchronize <- walk": 15.0, "cudaMemcpyAsync <- step": 3.0,
                         "cudaMemcpyAsync <- (no Python caller)": 1.0,
                         "cudaMemcpyAsync <- copy_ <- prepare": 4.0}
+    # The synchronisation with its Python frames, innermost first; copies are not in it.
+    stacks = {r["name"]: r["us_per_step"] for r in s["synchronizations_by_stack"]}
+    assert stacks == {"cudaStreamSynchronize <- walk <- step": 15.0}
     runtime = {r["name"]: r["calls_per_step"] for r in s["cuda_runtime_per_step"]}
     assert runtime == {"cudaStreamSynchronize": 0.5, "cudaLaunchKernel": 0.5, "cudaMemcpyAsync": 1.5}
     own = {r["name"]: r["us_per_step"] for r in s["top_python_own_time"]}
