@@ -12,9 +12,9 @@ while serving, ``bench/results/2026-11-30-steady-plain-chain-trees-both-orders/j
 can select, on a one-request batch whose target query is the shortest one that selects
 it, with the same argument types and 16-byte aligned tensors (what a real step passes
 once the walk's outputs are aligned, :func:`vllm_ddtree.tree_walk.step_walk_outputs`).
-The speculator runs it after its first drafting step (block tables and buffers are
-real then, and every buffer it writes is rewritten by the next step before being
-read). Drop with a vLLM whose warm-up covers every block size.
+The speculator runs it after the first step that ran the kernel, drafting or storing
+a budget-0 step's context (block tables and buffers are real then, and every buffer it
+writes is rewritten by the next step before being read). Drop with a vLLM whose warm-up covers every block size.
 """
 
 from __future__ import annotations

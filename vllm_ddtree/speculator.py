@@ -287,9 +287,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor
     ) -> None:
         """vLLM's DFlash input kernel compiled for every block size a step can select
-        (:mod:`vllm_ddtree.dflash_input_warmup`), once, after the first drafting step:
-        the buffers it writes are rewritten by the next step before anything reads
-        them. A failure only leaves those sizes to compile at first use."""
+        (:mod:`vllm_ddtree.dflash_input_warmup`), once, after the first step that ran
+        it (a drafting step, or a budget-0 step's context store): the buffers it writes
+        are rewritten by the next step before anything reads them. A failure only leaves those sizes to compile at first use."""
         self._input_kernel_warm = True
         start = time.perf_counter()
         try:
@@ -712,6 +712,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                 input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
                 next_prefill_tokens,
             )
+            if not self._input_kernel_warm:
+                # The store ran vLLM's DFlash input kernel: an engine that starts with
+                # drafting off (a large batch) would otherwise compile its other block
+                # sizes at the first prompts of each length range.
+                self._warm_up_input_kernel(last_sampled, next_prefill_tokens)
             if profiler is not None:
                 profiler.mark("drafted")
             return self.draft_tokens[: input_batch.num_reqs]

@@ -241,6 +241,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec._profiling_draft = False
     spec.draft_tokens = torch.zeros(4, 8, dtype=torch.int64)
     spec.valid_by_state = torch.ones(6, 9, dtype=torch.bool)
+    spec._no_tree = torch.zeros((), dtype=torch.bool)
     spec.draft_kv_cache_group_ids = [0]
     spec.block_tables = types.SimpleNamespace(
         slot_mappings=[torch.zeros(16)], input_block_tables=["bt"], kernel_block_sizes=[16])
@@ -294,9 +295,36 @@ def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
     assert spec.valid_by_state[[5, 1, 3], 0].all() and spec.valid_by_state[[0, 2, 4]].all()
 
 
-def test_dflash_input_kernel_warms_up_after_the_first_drafting_step_only(monkeypatch):
+def test_dflash_input_kernel_warms_up_after_the_first_step_that_ran_it(monkeypatch):
+    """A budget-0 step's context store runs vLLM's DFlash input kernel too: an engine
+    that starts with drafting off warms it up there, once; vLLM's dummy runs do not
+    count."""
     from vllm_ddtree.speculator import DDTreeSpeculator
 
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    spec._input_kernel_warm = False
+    warm_ups = []
+
+    def warm_up(last_sampled, next_prefill_tokens):
+        warm_ups.append((calls["super"], len(calls["prepare"])))
+        spec._input_kernel_warm = True
+
+    spec._warm_up_input_kernel = warm_up
+    z = torch.zeros(2)
+    batch = types.SimpleNamespace(num_reqs=2, num_tokens=2, idx_mapping=torch.tensor([5, 1]))
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(2, 5), None, z, z, z, z, z, z,
+                             dummy_run=True)
+    assert warm_ups == []
+    _propose(spec, 3, torch.randn(3, 5))  # budget 0: the context store only
+    # After the store's input kernel (the dummy run's draft is the only one so far).
+    assert warm_ups == [(1, 1)]
+    for _ in range(3):
+        _propose(spec, 2, torch.randn(2, 5))  # drafting steps
+        _propose(spec, 3, torch.randn(3, 5))
+    assert warm_ups == [(1, 1)]  # once
+
+
+def test_dflash_input_kernel_warms_up_after_the_first_drafting_step(monkeypatch):
     spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
     spec._input_kernel_warm = False
     warm_ups = []
@@ -306,15 +334,9 @@ def test_dflash_input_kernel_warms_up_after_the_first_drafting_step_only(monkeyp
         spec._input_kernel_warm = True
 
     spec._warm_up_input_kernel = warm_up
-    _propose(spec, 3, torch.randn(3, 5))  # budget 0: no drafting step
-    z = torch.zeros(2)
-    batch = types.SimpleNamespace(num_reqs=2, num_tokens=2, idx_mapping=torch.tensor([5, 1]))
-    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(2, 5), None, z, z, z, z, z, z,
-                             dummy_run=True)  # vLLM's dummy runs do not count
-    assert warm_ups == []
     for _ in range(3):
         _propose(spec, 2, torch.randn(2, 5))
-    assert warm_ups == [2]  # after the first real drafting step, once
+    assert warm_ups == [1]
 
 
 def _decode_graph_fake(spec, calls, positions):
