@@ -46,7 +46,8 @@ against batch size, a tree overhead), times a per-(bucket, budget) multiplicativ
 correction: the decayed mean of measured / modelled step time, inferred for
 unmeasured budgets like acceptance (a correction of 1 where nothing is known), and
 made non-decreasing in ``b`` (a larger tree never costs less). Steps that also
-prefilled (``prefill_tokens > 0``) feed acceptance but not cost.
+prefilled (``prefill_tokens > 0``), and steps that verified one budget and drafted
+another (``drafted_budget``), feed acceptance but not cost.
 
 **Decision.** Every ``refresh_steps`` observed steps (and when a probe ends), for each
 bucket that saw steps since: the best budget by the formula above, at the bucket's
@@ -178,7 +179,12 @@ class StepStats:
     ``depth_hits``, where ``depth_hits[d]`` counts requests whose accepted path
     reached depth ``d`` (``depth_hits[0]``: requests with a tree; non-increasing).
     ``prefill_tokens`` > 0 marks a step that also prefilled: its time is not a decode
-    step's, so it feeds acceptance only."""
+    step's, so it feeds acceptance only. ``drafted_budget``: the budget the step drafted
+    for the next one (None: not known). A step that verified one budget and drafted
+    another (the first and the last step of a probe, a switch) costs part of each, so it
+    too feeds acceptance only: a probe of budget 0 would otherwise count a drafter in
+    its last step and tell the controller that turning drafting off saves less than it
+    does."""
 
     batch_size: int
     budget: int
@@ -186,6 +192,7 @@ class StepStats:
     accepted_depths: Sequence[int] | None = None
     depth_hits: Sequence[int] | None = None
     prefill_tokens: int = 0
+    drafted_budget: int | None = None
 
 
 def isotonic_non_decreasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -398,6 +405,9 @@ class BudgetController:
             raise ValueError(f"budget {b} is not one of the levels {self.levels}")
         if not (math.isfinite(stats.step_ms) and stats.step_ms > 0):
             raise ValueError(f"step_ms must be positive and finite, got {stats.step_ms}")
+        if stats.drafted_budget is not None and stats.drafted_budget not in self._index:
+            raise ValueError(f"drafted budget {stats.drafted_budget} is not one of the "
+                             f"levels {self.levels}")
         hits = self._depth_hits(stats, b, n)
         self._step += 1
         now = self._step
@@ -413,7 +423,7 @@ class BudgetController:
         if hits is not None and hits[0] > 0:
             bk.acc[li].add(now, float(sum(hits[1:])), float(hits[0]), self.half_life,
                            self.shape_half_life, hits)
-        if stats.prefill_tokens == 0:
+        if stats.prefill_tokens == 0 and stats.drafted_budget in (None, b):
             model = self.startup_cost(min(max(n, 1), self.max_batch_size), b)
             if not model > 0:
                 raise ValueError(f"startup_cost({n}, {b}) = {model}; it must be positive")

@@ -55,7 +55,8 @@ MAX_STEP_MS = 1000.0
 # logged, at most this often; the state file is rewritten as often).
 LOG_INTERVAL_S = 10.0
 # Steps kept for the report (VLLM_DDTREE_BUDGET_REPORT): each observed step's batch,
-# budget, requests sampled, mean accepted depth, step time and prefill tokens.
+# budget verified, budget drafted, requests sampled, mean accepted depth, step time and
+# prefill tokens.
 TRACE_STEPS = 512
 # Steps between two refreshes of the summary /metrics shows (also refreshed whenever
 # the budget table changes).
@@ -217,13 +218,17 @@ class OnlineBudget:
         if not (0 < step_ms <= MAX_STEP_MS):
             prefill = max(prefill, 1)  # not a decode step's time: acceptance only
             step_ms = 1.0
+        # What this step drafted for the next (the scheduler's decision for it): a step
+        # between two budgets costs part of each.
+        drafted = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         stats = StepStats(
             batch_size=min(len(num_scheduled), self.max_num_seqs), budget=budget,
-            step_ms=step_ms, depth_hits=hits, prefill_tokens=prefill)
+            step_ms=step_ms, depth_hits=hits, prefill_tokens=prefill,
+            drafted_budget=None if drafted is None else self._level(int(drafted)))
         self.steps_observed += 1
         if self._trace is not None:
             sampled_reqs = hits[0] if hits else 0
-            self._trace.append((stats.batch_size, budget, sampled_reqs,
+            self._trace.append((stats.batch_size, budget, stats.drafted_budget, sampled_reqs,
                                 round(accepted_sum / sampled_reqs, 3) if sampled_reqs else None,
                                 round(step_ms, 4), prefill))
         changed = self.controller.observe(stats)
@@ -254,8 +259,8 @@ class OnlineBudget:
         state["budget_by_batch"] = table_ranges(self.lookup)
         if self._trace is not None:
             state["recent_steps"] = {
-                "fields": ["batch", "budget", "requests_sampled", "mean_accepted",
-                           "step_ms", "prefill_tokens"],
+                "fields": ["batch", "budget", "drafted_budget", "requests_sampled",
+                           "mean_accepted", "step_ms", "prefill_tokens"],
                 "steps": [list(t) for t in self._trace]}
         return state
 

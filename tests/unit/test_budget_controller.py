@@ -58,8 +58,14 @@ class Engine:
     from the table, and step t's statistics arrive after step t + 1 was decided."""
 
     def __init__(self, ctl: BudgetController, seed: int = 0, cost=TRUE_COST,
-                 noise: float = 0.0, per_depth_hits: bool = False) -> None:
+                 noise: float = 0.0, per_depth_hits: bool = False,
+                 transitions: bool = False) -> None:
         self.ctl, self.cost, self.noise = ctl, cost, noise
+        # transitions: as vLLM runs it, a step verifies the trees the previous step
+        # drafted and drafts for the next one at the table's budget; a step between
+        # two budgets costs half of each, and its statistics say both budgets.
+        self.transitions = transitions
+        self.drafted: int | None = None
         self.rng = random.Random(seed)
         self.pending: StepStats | None = None
         self.per_depth_hits = per_depth_hits
@@ -75,15 +81,22 @@ class Engine:
 
     def step(self, n: int, quality: float = 1.0) -> int:
         b = self.ctl.budget_for(n)
+        drafted = None
+        if self.transitions:
+            drafted, b = b, (b if self.drafted is None else self.drafted)
+            self.drafted = drafted
         depths = [self.depth(b, quality) for _ in range(n)] if b else []
         ms = self.cost(n, b)
+        if drafted is not None and drafted != b:
+            ms = 0.5 * (ms + self.cost(n, drafted))
         if self.noise:
             ms *= 1.0 + self.noise * (2 * self.rng.random() - 1)
         if self.per_depth_hits and b:
             hits = [sum(1 for d in depths if d >= k) for k in range(min(b, D) + 1)]
-            stats = StepStats(n, b, ms, depth_hits=hits)
+            stats = StepStats(n, b, ms, depth_hits=hits, drafted_budget=drafted)
         else:
-            stats = StepStats(n, b, ms, accepted_depths=depths if b else None)
+            stats = StepStats(n, b, ms, accepted_depths=depths if b else None,
+                              drafted_budget=drafted)
         if self.pending is not None:
             self.ctl.observe(self.pending)
             self.fed.append(self.pending)
@@ -397,3 +410,38 @@ def test_drafting_probes_off_and_finds_a_drafter_the_model_left_out():
     choices = eng.run_choices(4000, 4, quality=0.4)
     assert analytic_best(4, true, 0.4) == 0
     assert choices[-1] == 0 and choices[:10] != [0] * 10
+
+
+# A host-bound engine (a small target on a fast GPU): a step costs mostly fixed host
+# work, drafting adds the drafter, the tree and their host work, and the start-up
+# model knows the target's forward and a share of layers for the drafter only.
+HOST_BOUND_TRUE = StartupCost(target_forward_ms=lambda t: 0.5 + 0.002 * t, drafter_ms=0.9,
+                              context_store_ms=0.02, tree_ms_per_step=0.4, host_ms=1.55)
+HOST_BOUND_MODEL = StartupCost(target_forward_ms=0.5, drafter_ms=0.02)
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_a_host_bound_engine_turns_drafting_off_when_it_stops_paying(seed):
+    # Drafting pays at first (greedy prompts the drafter knows), then the traffic
+    # changes (sampling at T=1): off becomes ~20 % faster. The model's budget-0 step is
+    # 0.5 ms against a true 2.1: only budget 0's own probed steps say what it costs.
+    good, bad = 1.0, 0.4
+    assert analytic_best(4, HOST_BOUND_TRUE, good) > 0
+    assert analytic_best(4, HOST_BOUND_TRUE, bad) == 0
+    best_on = max(tokens_per_s(4, b, HOST_BOUND_TRUE, bad) for b in LEVELS[1:])
+    assert tokens_per_s(4, 0, HOST_BOUND_TRUE, bad) > 1.15 * best_on
+    eng = Engine(controller(cost=HOST_BOUND_MODEL), seed=seed, cost=HOST_BOUND_TRUE,
+                 noise=0.2, transitions=True)
+    assert 0 not in eng.run_choices(2000, 4, quality=good)[1000:]
+    choices = eng.run_choices(4000, 4, quality=bad)
+    assert set(choices[2500:]) == {0}
+
+
+@pytest.mark.parametrize("seed", [24, 25])
+def test_a_host_bound_engine_keeps_drafting_while_it_pays(seed):
+    eng = Engine(controller(cost=HOST_BOUND_MODEL), seed=seed, cost=HOST_BOUND_TRUE,
+                 noise=0.2, transitions=True)
+    best = analytic_best(4, HOST_BOUND_TRUE)
+    assert tokens_per_s(4, best, HOST_BOUND_TRUE) > 1.15 * tokens_per_s(4, 0, HOST_BOUND_TRUE)
+    choices = eng.run_choices(4000, 4)
+    assert 0 not in choices[1500:]

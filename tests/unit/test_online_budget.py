@@ -174,9 +174,14 @@ def test_sync_scheduling_leaves_the_online_budget_off_or_refuses_it(models, h200
 
 
 
-def _so(sched, spec):
+def _so(sched, spec, drafted=None):
+    """A scheduler output; ``drafted``: its num_spec_tokens_to_schedule (the budget the
+    step drafts for the next one), None for an output without the field."""
     import types
-    return types.SimpleNamespace(num_scheduled_tokens=sched, scheduled_spec_decode_tokens=spec)
+    out = types.SimpleNamespace(num_scheduled_tokens=sched, scheduled_spec_decode_tokens=spec)
+    if drafted is not None:
+        out.num_spec_tokens_to_schedule = drafted
+    return out
 
 
 def _mro(sampled):
@@ -214,6 +219,46 @@ def test_observe_reads_the_step_and_skips_what_is_not_a_decode_step(models, h200
     assert first.depth_hits == [2, 1, 1, 0, 0, 0, 0, 0, 0]  # "c" verified a 3-node tree
     assert joined.prefill_tokens == 39 and joined.depth_hits == [1] + [0] * 8
     assert after_idle.budget == 0 and after_idle.prefill_tokens > 0
+    assert first.drafted_budget is None  # an output without num_spec_tokens_to_schedule
+
+
+def test_observe_marks_steps_that_drafted_another_budget(models, h200):
+    """The budget a step drafts is the scheduler's num_spec_tokens_to_schedule (at a
+    level: 5 drafts are a budget-4 tree); the controller keeps such steps out of the
+    cost of the budget they verified."""
+    from vllm_ddtree.online_budget import OnlineBudget
+
+    seen = []
+    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
+    ob.controller.observe = lambda stats: seen.append(stats) or False
+    for drafted in (8, 0, 0, 5):
+        ob._clock.t += 0.004
+        ob.observe(_so({"a": 9}, {"a": [-1] * 8}, drafted), _mro({"a": [1, 2]}))
+    assert [(x.budget, x.drafted_budget) for x in seen] == [(8, 8), (8, 0), (8, 0), (8, 4)]
+
+
+def test_the_controller_keeps_steps_between_two_budgets_out_of_the_cost():
+    from vllm_ddtree.budget_controller import BudgetController, StepStats
+
+    def cost(n, b):
+        return 2.0 + 0.1 * b
+
+    def estimate(ctl):
+        return ctl.state()["buckets"]["2-3"]["step_ms"]
+
+    a, b = BudgetController(8, 8, cost, max_batch_size=4), BudgetController(8, 8, cost,
+                                                                              max_batch_size=4)
+    for ctl in (a, b):
+        for _ in range(40):
+            ctl.observe(StepStats(2, 0, 2.0, drafted_budget=0))
+    # b also sees the last step of a probe of 0: it verified no drafts, but drafted 8.
+    for _ in range(8):
+        b.observe(StepStats(2, 0, 9.0, drafted_budget=8))
+        a.observe(StepStats(2, 0, 9.0, prefill_tokens=5))
+    assert estimate(a) == estimate(b)
+    assert estimate(b)["0"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="drafted budget 3"):
+        a.observe(StepStats(2, 0, 2.0, drafted_budget=3))
 
 
 def test_the_budget_reaches_vllms_prometheus_metrics(models, h200):
@@ -271,5 +316,7 @@ def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
     ob.write_report(str(report))
     state = json.loads(report.read_text())
     steps = state["recent_steps"]["steps"]
-    assert len(steps) == 3 and steps[-1][:4] == [1, 8, 1, 1.0]
-    assert abs(steps[-1][4] - 3.0) < 1e-6 and steps[-1][5] == 0
+    fields = state["recent_steps"]["fields"]
+    assert fields[:3] == ["batch", "budget", "drafted_budget"]
+    assert len(steps) == 3 and steps[-1][:5] == [1, 8, None, 1, 1.0]
+    assert abs(steps[-1][5] - 3.0) < 1e-6 and steps[-1][6] == 0
