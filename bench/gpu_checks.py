@@ -135,7 +135,20 @@ SAMPLING_MODES = {
     # A position-keyed setting: min_tokens (stop tokens masked before it). vLLM refuses
     # logit_bias and min_p with any speculative decoding.
     "seeded-min-tokens": dict(temperature=1.0, min_tokens=96),
+    # Requests DDTree decodes without drafts (penalties, bad words, structured outputs:
+    # FEATURE_CYCLE, by request index) mixed with requests on trees in one batch.
+    "seeded-features": dict(temperature=1.0),
 }
+# What "seeded-features" adds to request i: FEATURE_CYCLE[i % len(FEATURE_CYCLE)].
+FEATURE_CYCLE = (
+    {},
+    {"repetition_penalty": 1.3},
+    {"frequency_penalty": 0.5, "presence_penalty": 0.5},
+    {"bad_words": [" the", " a", "\n"]},
+    {"structured_outputs": {"json": {"type": "object",
+                                     "properties": {"answer": {"type": "string"}},
+                                     "required": ["answer"]}}},
+)
 
 
 def request_seed(mode: str, request: int) -> int | None:
@@ -147,9 +160,25 @@ def sampling_params(mode: str, n: int, max_tokens: int, first: int = 0) -> list:
     """One SamplingParams per request for sampling ``mode`` (requests first, first+1...)."""
     from vllm import SamplingParams
 
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def features(request: int) -> dict:
+        if mode != "seeded-features":
+            return {}
+        extra = dict(FEATURE_CYCLE[request % len(FEATURE_CYCLE)])
+        if "structured_outputs" in extra:
+            extra["structured_outputs"] = StructuredOutputsParams(**extra["structured_outputs"])
+            extra["ignore_eos"] = False  # the grammar ends the output
+        return extra
+
     kw = SAMPLING_MODES[mode]
-    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                           seed=request_seed(mode, first + i), **kw) for i in range(n)]
+    out = []
+    for i in range(n):
+        extra = features(first + i)
+        ignore_eos = extra.pop("ignore_eos", True)
+        out.append(SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                  seed=request_seed(mode, first + i), **kw, **extra))
+    return out
 
 
 def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):

@@ -228,6 +228,8 @@ case "$step" in
     # DDTree == decoding without speculation, greedy and seeded T > 0, float32, on the
     # real pair: LOSSLESS_MODES (eager, graphs), LOSSLESS_VARIANTS, LOSSLESS_SAMPLING,
     # LOSSLESS_PROMPT_SET, LOSSLESS_MAX_TOKENS; one result file per graph mode.
+    # LOSSLESS_SAMPLING=seeded-features: requests decoded without drafts (penalties, bad
+    # words, a JSON grammar) mixed with tree requests in each batch.
     prepare
     read -r -a lmodes <<< "${LOSSLESS_MODES:-eager}"
     for m in "${lmodes[@]}"; do

@@ -17,8 +17,10 @@ process this script started and writes what it has if the budget is overrun):
    non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
    the ``vllm:spec_decode*`` Prometheus counters (mean acceptance length
    = 1 + accepted / drafts).
-4. ``bad_requests``: what DDTree refuses per request (logprobs, penalties, structured
-   outputs) and plain bad requests get a 4xx with a message; the server stays healthy.
+4. ``bad_requests``: what DDTree refuses per request (logprobs) and plain bad requests
+   get a 4xx with a message; the server stays healthy.
+   ``features``: what DDTree serves without drafts (penalties, bad words, a JSON schema)
+   gets a 200, the schema's answer parses as JSON with its required field.
 5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
@@ -776,18 +778,9 @@ def check_metrics(run: Run, base: str, label: str, hard: bool) -> dict:
 def bad_requests(model: str) -> list[dict]:
     """Requests that must get a 4xx: what DDTree refuses, then plain client errors."""
     base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     return [
         {"name": "logprobs", "path": "/v1/completions", "body": dict(base, logprobs=2),
          "expect": 400, "mentions": "logprobs"},
-        {"name": "presence_penalty", "path": "/v1/completions",
-         "body": dict(base, presence_penalty=0.5), "expect": 400, "mentions": "presence_penalty"},
-        {"name": "structured_output_json_schema", "path": "/v1/chat/completions",
-         "body": {"model": model, "max_tokens": 8, "temperature": 0,
-                  "messages": [{"role": "user", "content": "Give me a name as JSON."}],
-                  "response_format": {"type": "json_schema",
-                                      "json_schema": {"name": "person", "schema": schema}}},
-         "expect": 400, "mentions": "structured"},
         {"name": "negative_max_tokens", "path": "/v1/completions", "body": dict(base, max_tokens=-1),
          "expect": 400, "mentions": "max_tokens"},
         {"name": "unknown_model", "path": "/v1/completions", "body": dict(base, model="no-such-model"),
@@ -819,6 +812,52 @@ def check_bad_requests(run: Run, base: str) -> None:
               "temperature": 0}, timeout=run.args.request_timeout)
     run.check("bad_requests", "serves_after", r.status == 200, status=r.status,
               message=error_message(r.body) if r.status != 200 else None)
+
+
+def served_features(model: str) -> list[dict]:
+    """Requests DDTree serves without drafts: each must get a 200; ``json_field``: the
+    answer's content must parse as a JSON object with that field."""
+    base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    return [
+        {"name": "presence_penalty", "path": "/v1/completions",
+         "body": dict(base, presence_penalty=0.5)},
+        {"name": "repetition_frequency_penalties", "path": "/v1/completions",
+         "body": dict(base, repetition_penalty=1.2, frequency_penalty=0.3)},
+        {"name": "bad_words", "path": "/v1/completions", "body": dict(base, bad_words=[" the"])},
+        {"name": "structured_output_json_schema", "path": "/v1/chat/completions",
+         "body": {"model": model, "max_tokens": 64, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Give me a name as JSON."}],
+                  "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "person", "schema": schema}}},
+         "json_field": "name"},
+    ]
+
+
+def _answer(r) -> str | None:
+    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+    if "message" in choice:
+        return (choice.get("message") or {}).get("content")
+    return choice.get("text")
+
+
+def check_features(run: Run, base: str) -> None:
+    records = []
+    for req in served_features(SERVED_MODEL_NAME):
+        r = http("POST", base + req["path"], req["body"], timeout=run.args.request_timeout)
+        answer = _answer(r) if r.status == 200 else None
+        ok = r.status == 200 and answer is not None
+        parsed = None
+        if ok and req.get("json_field"):
+            try:
+                parsed = json.loads(answer)
+            except ValueError:
+                parsed = None
+            ok = isinstance(parsed, dict) and req["json_field"] in parsed
+        records.append({"name": req["name"], "status": r.status, "answer": answer,
+                        "message": error_message(r.body) if r.status != 200 else None})
+        run.check("features", req["name"], ok, status=r.status, answer=answer)
+    run.result["features"] = records
 
 
 async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int,
@@ -1096,6 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
         if healthy:
             phase("endpoints", check_endpoints, run, base)
             phase("bad_requests", check_bad_requests, run, base)
+            phase("features", check_features, run, base)
             load = phase("load", run_load, run, base) or []
             phase("metrics", check_metrics, run, base, "after_load", True)
         run.result["server"]["stop"] = run.procs.stop(server)

@@ -796,8 +796,8 @@ def validate_flash_tree_attention(vllm_config: Any) -> None:
             )
 
 
-# Every field of vLLM 0.26.0's SamplingParams, in one of two lists; a field in
-# neither (a new upstream field) is refused unless it has its default, and
+# Every field of vLLM 0.26.0's SamplingParams, in one of three lists; a field in
+# none (a new upstream field) is refused unless it has its default, and
 # tests/unit/test_ddtree_requests.py fails until it is classified.
 #
 # Exact on a tree: the tree sampler (vllm_ddtree.speculator.DDTreeSampler) takes
@@ -839,25 +839,30 @@ TREE_EXACT_REQUEST_FIELDS = {
     "_eos_token_id": "the scheduler's stop check and min_tokens",
     "_all_stop_token_ids": "the scheduler's stop check and min_tokens",
 }
+# Exact without drafts: these read the tokens before the sampled one (penalties and bad
+# words count the request's tokens plus a chain's earlier drafts; a grammar mask follows
+# the accepted tokens), which on a tree would include a node's siblings. A request that
+# sets any of them is decoded without drafts (vLLM's scheduler gives it no draft slots,
+# patch core_ddtree-requests-without-drafts: its own budget 0 while the other requests
+# keep their trees), so each step samples its one row as decoding without speculation
+# does: the same logits processing over the same tokens, the grammar bitmask vLLM
+# computes for a request without drafts.
+TREE_WITHOUT_DRAFTS_REQUEST_FIELDS = {
+    "presence_penalty": "penalties count the tokens before the sampled one",
+    "frequency_penalty": "penalties count the tokens before the sampled one",
+    "repetition_penalty": "penalties count the tokens before the sampled one",
+    "bad_words": "bad words match the tokens before the sampled one",
+    "_bad_words_token_ids": "bad words match the tokens before the sampled one",
+    "structured_outputs": "the grammar follows the accepted tokens (response_format "
+                          "json_object / json_schema, structural tags, guided decoding, "
+                          "tool_choice required or named)",
+}
 # Refused unless at their default, with the reason the refusal names.
 TREE_REFUSED_REQUEST_FIELDS = {
     "logprobs": "the tree sampler returns no sample logprobs yet",
     "logprob_token_ids": "the tree sampler returns no logprobs yet",
     "prompt_logprobs": "prompt logprobs are not checked against decoding without "
                        "speculation yet",
-    "presence_penalty": "penalties count the tokens before a node, which differ "
-                        "between branches",
-    "frequency_penalty": "penalties count the tokens before a node, which differ "
-                         "between branches",
-    "repetition_penalty": "penalties count the tokens before a node, which differ "
-                          "between branches",
-    "bad_words": "bad words match the tokens before a node, which differ between "
-                 "branches",
-    "_bad_words_token_ids": "bad words match the tokens before a node, which differ "
-                            "between branches",
-    "structured_outputs": "grammar masks are not wired into the tree sampler "
-                          "(response_format json_object / json_schema, structural "
-                          "tags, guided decoding)",
     "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "
                              "runs on",
 }
@@ -891,18 +896,47 @@ def _is_default(value: Any, default: Any) -> bool:
     return bool(value == default)
 
 
+def decode_without_drafts(params: Any) -> bool:
+    """Whether a request sets any of :data:`TREE_WITHOUT_DRAFTS_REQUEST_FIELDS` (it is
+    then decoded without drafts)."""
+    if params is None:
+        return False
+    defaults = _default_params(type(params))
+    return any(not _is_default(getattr(params, name, None), getattr(defaults, name, None))
+               for name in TREE_WITHOUT_DRAFTS_REQUEST_FIELDS)
+
+
+_logged_without_drafts = False
+
+
+def mark_request_without_drafts(request: Any) -> None:
+    """Scheduler hook (patch core_ddtree-requests-without-drafts), once per new request:
+    ``request.ddtree_no_drafts``, which makes the scheduler give it no draft slots.
+    The first such request of an engine is logged."""
+    global _logged_without_drafts
+    request.ddtree_no_drafts = decode_without_drafts(getattr(request, "sampling_params", None))
+    if request.ddtree_no_drafts and not _logged_without_drafts:
+        _logged_without_drafts = True
+        logger.info(
+            "ddtree: requests that set penalties, bad words or structured outputs are "
+            "decoded without drafts (exact; the other requests keep their trees). If "
+            "every request is, the model's generation_config.json may set a penalty: "
+            "--override-generation-config '{\"repetition_penalty\": 1.0}'.")
+
+
 def validate_ddtree_request(params: Any) -> None:
     """Refuse, per request, what DDTree cannot serve exactly (HTTP 400 in the OpenAI
     server: vLLM turns this ValueError into a bad-request error).
 
     An allowlist over every field of ``SamplingParams``: a field in
-    :data:`TREE_EXACT_REQUEST_FIELDS` may take any value; any other field, those of
-    :data:`TREE_REFUSED_REQUEST_FIELDS` and fields not classified yet, only its
-    default. The message names every refused field."""
+    :data:`TREE_EXACT_REQUEST_FIELDS` or :data:`TREE_WITHOUT_DRAFTS_REQUEST_FIELDS`
+    may take any value; any other field, those of :data:`TREE_REFUSED_REQUEST_FIELDS`
+    and fields not classified yet, only its default. The message names every refused
+    field."""
     defaults = _default_params(type(params))
     refused = []
     for name in sampling_param_fields(type(params)):
-        if name in TREE_EXACT_REQUEST_FIELDS:
+        if name in TREE_EXACT_REQUEST_FIELDS or name in TREE_WITHOUT_DRAFTS_REQUEST_FIELDS:
             continue
         if _is_default(getattr(params, name, None), getattr(defaults, name, None)):
             continue

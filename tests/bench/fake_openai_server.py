@@ -9,8 +9,9 @@ the 4xx answers of the DDTree server, and spec-decode Prometheus counters. Greed
 
 FAKE_MODE (environment) injects faults: ``die`` exits at startup, ``no_health`` never
 answers /health with 200, ``logprobs_500`` answers a logprobs request with HTTP 500,
-``short`` stops streams one token early, ``ignore_term`` ignores SIGTERM (so that only
-SIGKILL ends it).
+``short`` stops streams one token early, ``bad_json`` answers a JSON-schema request
+with text that is not JSON, ``ignore_term`` ignores SIGTERM (so that only SIGKILL ends
+it).
 """
 import argparse
 import asyncio
@@ -56,9 +57,7 @@ async def read_json(request):
 def refusal(body: dict, chat: bool):
     if body.get("model") != request_model:
         return error(404, f"The model `{body.get('model')}` does not exist.")
-    refused = [k for k in ("logprobs", "presence_penalty") if body.get(k)]
-    if body.get("response_format") or body.get("structured_outputs"):
-        refused.append("structured outputs (guided decoding)")
+    refused = [k for k in ("logprobs",) if body.get(k)]
     if refused:
         if MODE == "logprobs_500" and "logprobs" in refused:
             return web.Response(status=500, text="Internal Server Error")
@@ -124,6 +123,11 @@ async def chat(request):
     if err:
         return err
     ids = tokens_for(body["messages"][-1]["content"], body.get("max_tokens") or 16)
+    if body.get("response_format") and not body.get("stream"):
+        # A grammar-constrained answer (FAKE_MODE=bad_json: one that ignores it).
+        content = "not json" if MODE == "bad_json" else json.dumps({"name": text_of(ids[:2])})
+        return web.json_response({"choices": [{"index": 0, "message": {
+            "role": "assistant", "content": content}}]})
     if not body.get("stream"):
         return web.json_response({"choices": [{"index": 0, "message": {
             "role": "assistant", "content": text_of(ids)}}]})

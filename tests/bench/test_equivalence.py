@@ -71,3 +71,20 @@ def test_gather_refuses_an_incomplete_run(tmp_path):
     _write(tmp_path / "a.json.gz", [], complete=False)
     with pytest.raises(SystemExit, match="did not complete"):
         equivalence.gather([str(tmp_path / "a.json.gz")])
+
+
+def test_the_features_mode_mixes_requests_without_drafts_with_tree_requests():
+    """bench/gpu_checks.py --sampling seeded-features: request i gets FEATURE_CYCLE's
+    entry i (penalties, bad words, a JSON grammar) on top of seeded T=1; the
+    requests without a feature stay on trees."""
+    pytest.importorskip("vllm")
+    from bench.gpu_checks import FEATURE_CYCLE, sampling_params
+    from vllm_ddtree.config import decode_without_drafts
+
+    sps = sampling_params("seeded-features", 2 * len(FEATURE_CYCLE), 32)
+    assert [decode_without_drafts(p) for p in sps] == [bool(f) for f in FEATURE_CYCLE] * 2
+    assert all(p.temperature == 1.0 and p.seed == 1000 + i for i, p in enumerate(sps))
+    grammar = sps[4]
+    assert grammar.structured_outputs.json["required"] == ["answer"]
+    assert not grammar.ignore_eos and sps[1].ignore_eos
+    assert all(decode_without_drafts(p) is False for p in sampling_params("seeded", 3, 8))

@@ -1,5 +1,7 @@
 """Per-request allowlist of what DDTree serves exactly (vllm_ddtree.config), over the
-fields of vLLM's real SamplingParams."""
+fields of vLLM's real SamplingParams: exact on a tree, exact without drafts (the
+request is decoded without drafts, patch core_ddtree-requests-without-drafts), or
+refused."""
 
 import pytest
 
@@ -14,9 +16,14 @@ from vllm.sampling_params import (  # noqa: E402
 from vllm_ddtree.config import (  # noqa: E402
     TREE_EXACT_REQUEST_FIELDS,
     TREE_REFUSED_REQUEST_FIELDS,
+    TREE_WITHOUT_DRAFTS_REQUEST_FIELDS,
+    decode_without_drafts,
     sampling_param_fields,
     validate_ddtree_request,
 )
+
+LISTS = (TREE_EXACT_REQUEST_FIELDS, TREE_WITHOUT_DRAFTS_REQUEST_FIELDS,
+         TREE_REFUSED_REQUEST_FIELDS)
 
 FIELDS = sampling_param_fields(SamplingParams)
 
@@ -33,12 +40,13 @@ EXACT_VALUES = dict(
     skip_reading_prefix_cache=True, flat_logprobs=True, extra_args={"kv_transfer_params": {}},
     routed_experts_prompt_start=3, _eos_token_id=2, _all_stop_token_ids={2, 5},
 )
-REFUSED_VALUES = dict(
-    logprobs=0, logprob_token_ids=[3, 4], prompt_logprobs=1, presence_penalty=0.5,
-    frequency_penalty=-0.5, repetition_penalty=1.2, bad_words=["foo"],
-    _bad_words_token_ids=[[3]],
+WITHOUT_DRAFTS_VALUES = dict(
+    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+    bad_words=["foo"], _bad_words_token_ids=[[3]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}),
-    thinking_token_budget=16,
+)
+REFUSED_VALUES = dict(
+    logprobs=0, logprob_token_ids=[3, 4], prompt_logprobs=1, thinking_token_budget=16,
 )
 
 
@@ -54,13 +62,15 @@ def _params(name, value):
 def test_every_sampling_param_is_classified():
     """A field that vLLM adds in a new release fails here until it is put in one
     list (and meanwhile is refused unless at its default)."""
-    unclassified = set(FIELDS) - set(TREE_EXACT_REQUEST_FIELDS) - set(TREE_REFUSED_REQUEST_FIELDS)
-    assert not unclassified, f"SamplingParams fields in neither list: {sorted(unclassified)}"
-    assert not set(TREE_EXACT_REQUEST_FIELDS) & set(TREE_REFUSED_REQUEST_FIELDS)
-    stale = (set(TREE_EXACT_REQUEST_FIELDS) | set(TREE_REFUSED_REQUEST_FIELDS)) - set(FIELDS)
+    classified = [set(fields) for fields in LISTS]
+    unclassified = set(FIELDS).difference(*classified)
+    assert not unclassified, f"SamplingParams fields in no list: {sorted(unclassified)}"
+    assert sum(len(c) for c in classified) == len(set().union(*classified))  # disjoint
+    stale = set().union(*classified) - set(FIELDS)
     assert not stale, f"classified names that SamplingParams does not have: {sorted(stale)}"
     # Every field has an example value here, so each is tested below.
     assert set(EXACT_VALUES) == set(TREE_EXACT_REQUEST_FIELDS)
+    assert set(WITHOUT_DRAFTS_VALUES) == set(TREE_WITHOUT_DRAFTS_REQUEST_FIELDS)
     assert set(REFUSED_VALUES) == set(TREE_REFUSED_REQUEST_FIELDS)
 
 
@@ -74,6 +84,26 @@ def test_each_exact_field_passes_with_a_non_default_value(name):
     params = _params(name, EXACT_VALUES[name])
     assert getattr(params, name) != getattr(SamplingParams(), name)
     validate_ddtree_request(params)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_VALUES))
+def test_an_exact_field_keeps_the_request_on_trees(name):
+    assert not decode_without_drafts(_params(name, EXACT_VALUES[name]))
+
+
+@pytest.mark.parametrize("name", sorted(WITHOUT_DRAFTS_VALUES))
+def test_each_without_drafts_field_passes_and_decodes_without_drafts(name):
+    params = _params(name, WITHOUT_DRAFTS_VALUES[name])
+    assert getattr(params, name) != getattr(SamplingParams(), name)
+    validate_ddtree_request(params)
+    assert decode_without_drafts(params)
+
+
+def test_defaults_decode_on_trees():
+    assert not decode_without_drafts(SamplingParams())
+    assert not decode_without_drafts(SamplingParams(bad_words=[], presence_penalty=0.0,
+                                                    repetition_penalty=1.0))
+    assert not decode_without_drafts(None)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
@@ -97,8 +127,9 @@ def test_every_refused_field_is_named_in_one_message():
     with pytest.raises(ValueError) as info:
         validate_ddtree_request(params)
     message = str(info.value)
-    for name in ("logprobs (", "repetition_penalty (", "logprob_token_ids ("):
+    for name in ("logprobs (", "logprob_token_ids ("):
         assert name in message
+    assert "repetition_penalty" not in message  # served, without drafts
     assert "DDTree" in message
 
 

@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -49,14 +50,16 @@ def _config(models, **spec):
                           max_num_seqs=16, max_model_len=32768, enable_prefix_caching=False)
 
 
-def _scheduler(cfg, log_stats: bool = False) -> AsyncScheduler:
+def _scheduler(cfg, log_stats: bool = False) -> Scheduler:
+    """vLLM's scheduler for ``cfg``, the class its engine core picks (AsyncScheduler
+    with asynchronous scheduling)."""
     cfg.cache_config.num_gpu_blocks = 16384  # what the engine core sets after profiling
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16,
                              dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=16384, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)])
-    return AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=16,
-                          log_stats=log_stats)
+    cls = AsyncScheduler if cfg.scheduler_config.async_scheduling else Scheduler
+    return cls(cfg, kv, StructuredOutputManager(cfg), block_size=16, log_stats=log_stats)
 
 
 class Clock:
