@@ -20,7 +20,8 @@
 #                                      # BENCH_ENGINE_ROUNDS starts every engine N times
 #   bash bench/gpu_session.sh online   # greedy equivalence with the online budget switching
 #   bash bench/gpu_session.sh goals    # plain / chain / DDTree on the held-out sharegpt-untrained
-#                                      # set (GOALS_CONFIGS order, GOALS_TAG names the run)
+#                                      # set (GOALS_CONFIGS order, GOALS_TAG names the run;
+#                                      # GOALS_MODE=steady: constant concurrency)
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
@@ -32,39 +33,18 @@
 #   bash bench/gpu_session.sh shapes   # the same on tiny random Qwen3 / Llama-3 / Qwen3-MoE targets
 #                                      # (LOSSLESS_MODES="eager graphs", LOSSLESS_VARIANTS, ...)
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
-#   bash bench/gpu_session.sh control  # bf16 greedy match with every engine on TRITON_ATTN
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs,
 #                                      # tiny random Qwen3 pair: SmolLM2 has 9 heads)
 #   bash bench/gpu_session.sh exact    # greedy equivalence with vLLM's batch-invariant kernels
 #                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, EXACT_DTYPES
 #                                      # (float32; "float32 bfloat16" splits the time),
 #                                      # with the no-speculation batch-shape control
-#   bash bench/gpu_session.sh launch   # the direct Triton launcher: GPU tests, engines with
-#                                      # and without it (batch 1, 4)
-#   bash bench/gpu_session.sh gap      # plain decoding on FLASH_ATTN and TRITON_ATTN beside DDTree
-#                                      # drafting off from 4 requests, trees on Triton and on
-#                                      # FlashAttention (batch 4-64,
-#                                      # 2 repeats); GAP_CONFIGS, GAP_BATCH_SIZES change them
-#   bash bench/gpu_session.sh rounds   # engine-to-engine noise: no-spec and DDTree drafting off
-#                                      # from 32, each engine started twice (A B B A), T=0
-#   bash bench/gpu_session.sh steady   # constant concurrency (--cell-mode steady): no-spec, trees,
-#                                      # drafting off from 32, batch 4-64, T=0
-#                                      # (STEADY_CONFIGS, STEADY_BATCH_SIZES, STEADY_ROUNDS,
-#                                      # STEADY_MIN_WAVES: generations of BATCH requests,
-#                                      # STEADY_LENGTHS=varied: 0.5-1.5x the new tokens;
-#                                      # STEADY_PROFILE=1: DDTree's per-stage step times;
-#                                      # STEADY_TIME_BUDGET_S: seconds for the whole step;
-#                                      # STEADY_REPEATS, STEADY_MIN_REQUESTS: cell size)
-#   bash bench/gpu_session.sh joins    # float32, requests joining under DDTree's default graphs:
-#                                      # greedy match vs no-spec (JOINS_CONFIGS, JOINS_BATCH_SIZES)
-#   bash bench/gpu_session.sh auto     # ddtree_tokens_per_step="auto" (measured at start-up)
 #   bash bench/gpu_session.sh gap-profile  # cProfile: a plain and a drafting-off step, batch 16
 #                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS;
 #                                          # GAP_PROFILE_STEADY=N: a steady cell of N
-#                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces)
-#   bash bench/gpu_session.sh flashtree    # trees on FlashAttention: GPU test, engines vs Triton
-#   bash bench/gpu_session.sh flashtests   # the GPU test alone
-#   bash bench/gpu_session.sh flashlong    # trees on FlashAttention vs Triton, 1-2k-token prompts
+#                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces;
+#                                          # GAP_PROFILE_SYNC=1: where the host waits for the GPU)
+#   bash bench/gpu_session.sh flashtests   # GPU tests of trees on FlashAttention (opt-in route)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -267,11 +247,6 @@ case "$step" in
       --out "$OUT/ci-latest.json" > "$OUT/ci-latest.log" 2>&1
     echo "ci rc=$?"; grep '^{\|failed' "$OUT/ci-latest.log" | cut -c1-300
     ;;
-  control)
-    prepare
-    fixture_bench control-triton 560 --attention-backend TRITON_ATTN \
-      --configs no-spec ddtree-b32 dflash --temperatures 0
-    ;;
   tp)
     # SmolLM2-135M has 9 attention heads (not divisible by 2): tensor parallelism is
     # checked on the tiny random Qwen3 pair (4 heads, 2 KV heads; dummy weights,
@@ -298,113 +273,13 @@ case "$step" in
       echo "exact $dt rc=$?"; grep '^{' "$OUT/gpu-equiv-real-$dt-batch-invariant.log" | cut -c1-300
     done
     ;;
-  launch)
-    # The direct Triton launcher (VLLM_DDTREE_DIRECT_LAUNCH, default on): GPU tests both
-    # ways, and engines with and without it side by side at batch 1 and 4 (twice the
-    # usual requests per cell).
-    prepare
-    fused_tests
-    fixture_bench direct-launch 420 --configs ddtree-b64-t512+tritonlaunch ddtree-b64-t512 dflash \
-      --batch-sizes 1 4 --min-requests 16 --time-budget-s 400 --engine-estimate-s 75
-    ;;
-  gap)
-    # What a drafting-off step costs beyond a plain one (left open by
-    # bench/results/2026-11-30-drafter-context-graphs/):
-    # plain decoding on FLASH_ATTN and on TRITON_ATTN (DDTree's backend) beside DDTree
-    # with drafting off from 4 requests, its trees on Triton and on FlashAttention;
-    # one run, two repeats per cell (gap-profile: cProfile of the steps).
-    prepare
-    read -r -a gconfigs <<< "${GAP_CONFIGS:-no-spec no-spec+tritonattn ddtree-b64-t512-d4 ddtree-b64-t512-d4+flashtree}"
-    read -r -a gbatches <<< "${GAP_BATCH_SIZES:-4 16 64}"
-    fixture_bench gap 470 --configs "${gconfigs[@]}" --batch-sizes "${gbatches[@]}" \
-      --repeats 2 --min-requests 16 --time-budget-s 450 --engine-estimate-s 90
-    ;;
-  auto)
-    # ddtree_tokens_per_step="auto": the token target measured at start-up
-    # (vllm_ddtree.cost_model); the engine log has the measured curve, the result
-    # JSON the schedule the workers run. AUTO_CONFIGS adds e.g. ddtree-b64-t512.
-    prepare
-    read -r -a aconfigs <<< "${AUTO_CONFIGS:-ddtree-b64-tauto}"
-    read -r -a abatches <<< "${AUTO_BATCH_SIZES:-1 4 16 64}"
-    read -r -a asets <<< "${AUTO_PROMPT_SETS:-humaneval sharegpt}"
-    read -r -a atemps <<< "${AUTO_TEMPERATURES:-0 1}"
-    fixture_bench auto 560 --configs "${aconfigs[@]}" --batch-sizes "${abatches[@]}" \
-      --prompt-sets "${asets[@]}" --temperatures "${atemps[@]}" --min-requests 16 \
-      --time-budget-s 540 --engine-estimate-s 110
-    ;;
-  rounds)
-    # Engine-to-engine noise against the configurations' difference: every engine
-    # started ROUNDS_N times in alternating order (A B, B A), T=0 (two engines of one
-    # configuration differed by up to 1.56x in a cell,
-    # bench/results/2026-11-30-plain-decoding-gap-flash-tree/; rounds showed a DDTree gap
-    # at batch 16-64 beyond it, bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/).
-    # The default DDTree drafts below 32 requests (in those rounds trees beat drafting
-    # off at batch 4 and 16, not at 64).
-    prepare
-    read -r -a rconfigs <<< "${ROUNDS_CONFIGS:-no-spec ddtree-b64-t512-d32}"
-    read -r -a rbatches <<< "${ROUNDS_BATCH_SIZES:-4 16 64}"
-    # 48 requests a cell (16 made one 0.3 s wave at batch 16, whose two runs differed
-    # by up to 1.36x); ~25 s of cells per engine more.
-    fixture_bench rounds 560 --configs "${rconfigs[@]}" --batch-sizes "${rbatches[@]}" \
-      --temperatures 0 --engine-rounds "${ROUNDS_N:-2}" --repeats 2 --min-requests 48 \
-      --time-budget-s 540 --engine-estimate-s 130
-    ;;
-  steady)
-    # Constant concurrency (bench/run.py --cell-mode steady): BATCH requests in flight,
-    # refilled as each finishes, as a server at that concurrency sees it; in the
-    # default waves each wave ends with its slowest request (a DDTree wave
-    # at batch 16 ran 1.2x faster per token than a plain one, but its first tokens and
-    # its last request cost that back,
-    # bench/results/2026-11-30-engine-rounds-cost8b-auto-long-prompts/).
-    # STEADY_PROFILE=1 adds DDTree's per-stage step times, steps that prefill a joining request grouped apart.
-    prepare
-    read -r -a sconfigs <<< "${STEADY_CONFIGS:-no-spec ddtree-b64-t512 ddtree-b64-t512-d32}"
-    read -r -a sbatches <<< "${STEADY_BATCH_SIZES:-4 16 64}"
-    # STEADY_TIME_BUDGET_S: less device time left than a whole call; engines that
-    # would not fit are skipped (and recorded as such) instead of cut off.
-    sbudget=${STEADY_TIME_BUDGET_S:-540}
-    fixture_bench steady $((sbudget + 20)) --cell-mode steady --configs "${sconfigs[@]}" \
-      --batch-sizes "${sbatches[@]}" --temperatures 0 --repeats "${STEADY_REPEATS:-2}" \
-      --min-requests "${STEADY_MIN_REQUESTS:-64}" --engine-rounds "${STEADY_ROUNDS:-1}" \
-      --min-waves "${STEADY_MIN_WAVES:-1}" \
-      --output-lengths "${STEADY_LENGTHS:-fixed}" \
-      --time-budget-s "$sbudget" --engine-estimate-s 110 \
-      ${STEADY_PROFILE:+--profile-dir "$OUT"}
-    ;;
-  joins)
-    # Requests joining mid-flight under DDTree's default graphs (patch 9: cudagraph_mode
-    # FULL on Triton attention), float32: greedy outputs against plain decoding's
-    # (with graphs float32 is not exact, near-ties flip: a match rate, not a gate).
-    prepare
-    read -r -a jconfigs <<< "${JOINS_CONFIGS:-no-spec ddtree-b64-t512}"
-    read -r -a jbatches <<< "${JOINS_BATCH_SIZES:-16 64}"
-    fixture_bench joins-fp32 420 --dtype float32 --cell-mode steady --output-lengths varied \
-      --min-waves 2 --configs "${jconfigs[@]}" --batch-sizes "${jbatches[@]}" \
-      --prompt-sets humaneval --temperatures 0 --repeats 1 --min-requests 64 \
-      --time-budget-s 400 --engine-estimate-s 130
-    grep -h "ddtree: cudagraph_mode\|ddtree: CUDA graphs" "$OUT/bench-joins-fp32.log" | cut -c1-200
-    ;;
-  flashtests|flashtree)
-    # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash): the GPU
-    # test against the dense reference (flashtests stops here), then engines beside
-    # the Triton route at batch 1 and 4 (acceptance must match; greedy match rates
-    # vs no-spec in bf16).
+  flashtests)
+    # Trees verified on FlashAttention (VLLM_DDTREE_TREE_ATTENTION=flash, opt-in): the
+    # GPU tests against the dense reference.
     prepare
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/unit/test_tree_attention_flash.py \
       tests/unit/test_tree_attention_split.py > "$OUT/gpu-flash-tree-tests.log" 2>&1
     echo "flash tree tests rc=$?"; tail -3 "$OUT/gpu-flash-tree-tests.log"
-    [ "$step" = flashtree ] || continue
-    fixture_bench flash-tree 420 --configs no-spec dflash-t512 ddtree-b64-t512 ddtree-b64-t512+flashtree \
-      --batch-sizes 1 4 --repeats 2 --min-requests 8 --time-budget-s 400 --engine-estimate-s 90
-    ;;
-  flashlong)
-    # The case the FlashAttention tree route is built for: long contexts (held-out
-    # ShareGPT requests joined into 1024-1792-token prompts, bench/run.py
-    # sharegpt-long), trees on Triton and on FlashAttention, plain decoding beside.
-    prepare
-    read -r -a lconfigs <<< "${FLASHLONG_CONFIGS:-ddtree-b64-t512 ddtree-b64-t512+flashtree no-spec}"
-    fixture_bench flash-tree-long 560 --configs "${lconfigs[@]}" --prompt-sets sharegpt-long \
-      --batch-sizes 1 4 16 --repeats 2 --min-requests 16 --time-budget-s 540 --engine-estimate-s 110
     ;;
   gap-profile)
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
@@ -444,6 +319,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|serve|cost|algos|lossless|shapes|graphs|ci|control|tp|profile|exact|launch|gap|rounds|steady|joins|auto|gap-profile|flashtests|flashtree|flashlong" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|profile" >&2; exit 2 ;;
 esac
 done
