@@ -800,7 +800,7 @@ def validate_flash_tree_attention(vllm_config: Any) -> None:
 # none (a new upstream field) is refused unless it has its default, and
 # tests/unit/test_ddtree_requests.py fails until it is classified.
 #
-# Exact on a tree: the tree sampler (vllm_ddtree.speculator.DDTreeSampler) takes
+# Exact on a tree: the tree sampler (vllm_ddtree.tree_verifier.DDTreeSampler) takes
 # one sample per node with vLLM's V2 sampler, whose per-row steps are logit bias
 # (logit_bias, allowed_token_ids, min_tokens), penalties, bad words, temperature,
 # min-p, top-k/top-p and the Gumbel draw keyed by seed and position. The bias

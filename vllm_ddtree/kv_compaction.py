@@ -365,7 +365,7 @@ def accepted_path_moves(
     query_start_loc: torch.Tensor,
     slot_mapping: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The moves of :meth:`DDTreeSpeculator._compact_accepted_path`, in torch.
+    """The moves of :meth:`TreeVerifier.compact` (vllm_ddtree.tree_verifier), in torch.
 
     For request r with path ``0 = i_0 < ... < i_k`` (``k = num_accepted[r]``) and
     ``start = query_start_loc[r]``, column j <= k moves row ``start + i_j`` to row
@@ -598,7 +598,7 @@ def compact_accepted_path_reference_(
     positions: Optional[torch.Tensor] = None,
 ) -> None:
     """Torch version of :func:`compact_accepted_path_`: exactly the current per-layer
-    path of ``_compact_accepted_path`` (hidden states gathered then scattered, then
+    path of ``TreeVerifier.compact`` (hidden states gathered then scattered, then
     :func:`compact_kv_cache_reference_` per layer, which syncs the host)."""
     src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
         accepted_nodes, num_accepted, query_start_loc, slot_mapping if kv_caches else None
@@ -647,7 +647,7 @@ def compact_accepted_path_(
     ``hidden_states`` and KV slot ``slot_mapping[start + i_j]`` ->
     ``slot_mapping[start + j]`` of every layer (gather-then-scatter per request; moves
     with src == dst or a negative slot are skipped). Same result as
-    :meth:`DDTreeSpeculator._compact_accepted_path` minus the positions restore.
+    :meth:`TreeVerifier.compact` minus the positions restore.
 
     Triton backend: ONE launch for everything, grid ``(R, L * kv_chunks + hid_chunks)``,
     no host sync, fixed shapes (CUDA-graph capturable as long as the caches, the table

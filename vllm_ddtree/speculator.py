@@ -1,25 +1,17 @@
-"""DDTree speculator for vLLM's V2 model runner (``vllm/v1/worker/gpu``).
+"""DDTree speculator for vLLM's V2 model runner (``vllm/v1/worker/gpu``): the DFlash
+tree drafter, and vLLM's speculator interface around it.
 
-One step, for every request of a batch, all on the GPU and without host syncs:
-
-1. Verification (target forward). The scheduler sees B draft tokens per request; the
-   runner lays out ``[root, node 1 .. node B]`` at consecutive KV slots as usual.
-   :meth:`DDTreeSpeculator.prepare_tree_verification` (runner hook, after the slot
-   mapping is computed from the linear positions) rewrites the model's positions to
-   ``start + depth`` and writes each request's ancestor-only bias into the persistent
-   buffer that the patched TRITON_ATTN backend reads.
-2. Sampling. :class:`DDTreeSampler` replaces the chain rejection sampler: one target
-   sample per node with vLLM's own sampler (argmax at T=0; at T>0 Gumbel noise keyed
-   by seed and position = start + depth), then the tree walk
-   (:func:`vllm_ddtree.tree_walk.walk_tree`). Output rows are the accepted path plus
-   the bonus token, in the runner's format, so the scheduler's bookkeeping
-   (``num_computed_tokens -= num_rejected``) is unchanged.
-3. Compaction + drafting (:meth:`DDTreeSpeculator.propose`). The accepted nodes' KV
-   moves to slots ``start + j`` in every target layer, the fused hidden states and
-   positions are compacted/restored the same way, and the DFlash drafter runs on the
-   accepted path. Its per-position logits go to the best-first tree builder
-   (:func:`vllm_ddtree.tree_builder.build_trees`), whose tokens become next step's
-   draft tokens; parents and depths are kept per request state.
+Verification is :mod:`vllm_ddtree.tree_verifier` (drafter-agnostic: depth positions
+and tree bias before the target forward, one target sample per node and the walk, the
+accepted path's compaction), which this speculator holds as ``self.verifier`` and calls
+at the runner's hooks. What is DFlash's here, per step, after the walk
+(:meth:`DDTreeSpeculator.propose`): the drafter's context (the target's hidden states
+of the accepted tokens into its KV cache), its one forward over the masked positions,
+and the best-first tree of the step's budget from its per-position logits
+(:func:`vllm_ddtree.tree_builder.build_trees`), whose tokens become next step's draft
+tokens and whose parents and depths go to the verifier by request state. A step whose
+budget is 0 stores only the drafter's context (one CUDA graph when the step verified no
+drafts).
 """
 
 from __future__ import annotations
@@ -32,11 +24,8 @@ import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
-from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
-from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.sample.sampler import Sampler
-from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
@@ -48,31 +37,13 @@ from vllm_ddtree.context_store_graphs import (
 )
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree import env
-from vllm_ddtree.kv_compaction import (
-    accepted_path_moves,
-    build_kv_ptr_table,
-    compact_accepted_path_,
-    compact_kv_cache_,
-)
 from vllm_ddtree.kv_layout import check_tree_kv_layout
 from vllm_ddtree.online_budget import online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
 from vllm_ddtree.step_profile import StepProfiler
-from vllm_ddtree.tree_attention import (
-    allocate_tree_attn_bias,
-    register_tree_attn_bias,
-    write_tree_attn_bias,
-    write_tree_attn_bias_fused,
-)
-from vllm_ddtree.tree_builder import (
-    build_trees,
-    empty_tree,
-    fill_root_only_trees_,
-    store_trees_by_state_,
-    store_trees_by_state_reference_,
-)
-from vllm_ddtree.tree_mask import rewrite_tree_positions_
-from vllm_ddtree.tree_walk import step_walk_outputs, walk_tree, walk_tree_fused
+from vllm_ddtree.tree_attention import register_tree_attn_bias
+from vllm_ddtree.tree_builder import build_trees, empty_tree, fill_root_only_trees_
+from vllm_ddtree.tree_verifier import DDTreeSampler, TreeVerifier
 
 # One Triton launch each for the tree bias, the tree positions, the walk (with the
 # sample gather), the compaction (all KV layers + hidden states + positions restore)
@@ -93,17 +64,6 @@ lean_draft_enabled = env.lean_draft_enabled
 # Under vLLM's logger, so its handler and level apply (a logger outside the "vllm"
 # tree only prints warnings, through Python's last-resort handler).
 logger = init_logger("vllm.ddtree.speculator")
-
-
-def clear_trees_(valid_by_state: torch.Tensor, idx_mapping: torch.Tensor,
-                 no_tree: torch.Tensor) -> None:
-    """Make the trees of the states in ``idx_mapping`` root-only (every node but the
-    root invalid). ``no_tree`` is a 0-dim ``False`` on the device: a Python ``False``
-    in an indexed assignment is copied from pageable host memory with a stream
-    synchronisation on every call, which on a budget-0 step (one call a step) stalled
-    the host until the GPU had finished the step and undid asynchronous scheduling's
-    overlap (bench/results/2026-12-01-budget-0-host-sync/)."""
-    valid_by_state[idx_mapping, 1:] = no_tree
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -139,48 +99,23 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         # This step's trees, in batch order (written inside the drafter graph).
         self.trees = empty_tree(self.max_num_reqs, self.tree_budget, device)
-        # The same trees by request state, read at the next verification.
-        shape = (self.max_num_reqs, self.num_tree_nodes)
-        self.parents_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.depths_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.valid_by_state = torch.zeros(shape, dtype=torch.bool, device=device)
-        self.tokens_by_state = torch.zeros(shape, dtype=torch.int64, device=device)
-        # The value clear_trees_ writes, kept on the device.
-        self._no_tree = torch.zeros((), dtype=torch.bool, device=device)
-
-        # Per-request ancestor-only bias read by the patched TRITON_ATTN backend.
-        self.tree_attn_bias = allocate_tree_attn_bias(
-            self.max_num_reqs, self.num_tree_nodes, device
-        )
-        # This step's walk ([R, D+1] path, [R] lengths), set by the sampler and read
-        # by propose() in the same step; the walk allocates them fresh each step.
-        self.accepted_nodes: torch.Tensor | None = None
-        self.num_accepted: torch.Tensor | None = None
-        self._verified_rows: torch.Tensor | None = None
-        self._linear_positions: torch.Tensor | None = None
-        self._pending_compaction = False
-        self._target_kv_caches: list[torch.Tensor] = []
-        self._target_layer_name: str | None = None
         self.fused_kernels = fused_kernels_enabled()
-        # Linear positions of the verified rows (one per logit), restored after the walk.
-        self._linear_positions_buf = torch.zeros(
-            self.max_num_tokens, dtype=torch.int64, device=device
-        )
-        self._kv_ptr_table = None
+        # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
+        self.profiler = StepProfiler.from_env()
+        # Verification of the trees (drafter-agnostic): by-state trees, tree bias,
+        # positions, the walk and the accepted path's compaction, one TreeStep a step.
+        self.verifier = TreeVerifier(self.max_num_reqs, self.tree_budget, self.tree_depth,
+                                     self.max_num_tokens, device, self.fused_kernels,
+                                     self.profiler)
+        self._target_layer_name: str | None = None
         # Budget to draft for, by the batch size the drafter runs at (None: always the
         # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
         self.online_budget = online_budget_on(spec)
         self.refresh_budget_schedule()
-        # The budget the scheduler verifies after this step (its
-        # num_spec_tokens_to_schedule, handed over by prepare_tree_verification):
-        # 0 means no drafts are verified next, so none are drafted.
-        self._next_budget = self.tree_budget
         # True while propose() runs for memory profiling: draft the full tree there,
         # so the profile sees the largest drafting buffers.
         self._profiling_draft = False
-        # Opt-in per-stage GPU times (VLLM_DDTREE_PROFILE=<path.json>).
-        self.profiler = StepProfiler.from_env()
         # The drafter's context store as CUDA graphs (captured with the drafter's).
         self.context_graphs_wanted = context_graphs_enabled()
         self._context_graphs: ContextStoreGraphs | None = None
@@ -244,7 +179,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.model.precompute_and_store_context_kv(
             self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
         )
-        clear_trees_(self.valid_by_state, input_batch.idx_mapping, self._no_tree)
+        self.verifier.clear_trees(input_batch.idx_mapping)
 
     def _prepare_drafter_inputs(
         self,
@@ -338,7 +273,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             target_attn_groups,
         )
         self.target_input_buffers = target_input_buffers
-        register_tree_attn_bias(target_attn_groups, self.tree_attn_bias)
+        register_tree_attn_bias(target_attn_groups, self.verifier.tree_attn_bias)
         names: list[str] = []
         for groups in target_attn_groups:
             for group in groups:
@@ -346,7 +281,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._target_layer_names = names
         self._target_layer_name = names[0]
         # The caches are bound to the layers after set_attn; resolved on first use.
-        self._target_kv_caches = []
+        self.verifier.set_kv_source(self._target_kv_caches)
 
     def refresh_budget_schedule(self) -> None:
         """Re-read the budget schedule from the configuration after it changed at
@@ -481,7 +416,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1,
                   out=graphs.states[:num_tokens])
         graphs.replay(num_tokens)
-        clear_trees_(self.valid_by_state, input_batch.idx_mapping, self._no_tree)
+        self.verifier.clear_trees(input_batch.idx_mapping)
         return True
 
     def _drafter_graph_batch_sizes(self) -> list[int]:
@@ -505,154 +440,34 @@ class DDTreeSpeculator(DFlashSpeculator):
             if d.num_reqs
         ]
 
-    def _kv_caches(self) -> list[torch.Tensor]:
-        if not self._target_kv_caches:
-            forward_context = self.vllm_config.compilation_config.static_forward_context
-            for name in self._target_layer_names:
-                kv_cache = forward_context[name].kv_cache
-                if isinstance(kv_cache, (list, tuple)):
-                    kv_cache = kv_cache[0]
-                if kv_cache.numel() == 0:
-                    raise RuntimeError(f"ddtree: KV cache of {name} is not allocated")
-                self._target_kv_caches.append(kv_cache)
-            if self.fused_kernels:
-                try:
-                    self._kv_ptr_table = build_kv_ptr_table(
-                        self._target_kv_caches, "vllm", self._target_layer_names
-                    )
-                except ValueError as exc:
-                    # E.g. layers whose caches differ in shape: compact layer by layer.
-                    logger.warning(
-                        "ddtree: one-launch KV compaction unavailable (%s); "
-                        "compacting layer by layer",
-                        exc,
-                    )
-                    self._kv_ptr_table = None
-        return self._target_kv_caches
+    def _target_kv_caches(self) -> list[tuple[str, torch.Tensor]]:
+        """(layer name, KV cache) of every target layer, as the layers hold them."""
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        caches = []
+        for name in self._target_layer_names:
+            kv_cache = forward_context[name].kv_cache
+            if isinstance(kv_cache, (list, tuple)):
+                kv_cache = kv_cache[0]
+            if kv_cache.numel() == 0:
+                raise RuntimeError(f"ddtree: KV cache of {name} is not allocated")
+            caches.append((name, kv_cache))
+        return caches
 
     def make_tree_sampler(self, sampler: Sampler) -> DDTreeSampler:
-        return DDTreeSampler(sampler, self)
+        return DDTreeSampler(sampler, self.verifier)
 
     # ------------------------------------------------------------ verification
 
     def prepare_tree_verification(self, input_batch: InputBatch, next_budget: int) -> None:
-        """Runner hook before the target forward: depth positions and tree masks.
-        ``next_budget`` is the scheduler's ``num_spec_tokens_to_schedule``: the drafts
-        per request it verifies after this step (read by propose())."""
-        self._next_budget = int(next_budget)
-        if self._pending_compaction:
-            # The last walk's accepted path is compacted in propose(); a step that
-            # verifies again before that would read KV and drafter context from the
-            # wrong slots. vLLM's runner proposes after every sampling step: if that
-            # ever changes, stop here instead of serving wrong tokens.
-            raise RuntimeError(
-                "DDTree: a tree was verified again before the accepted path of the "
-                "previous verification was compacted (the runner did not call "
-                "propose() after the tree walk); the runner's step order has changed "
-                "and DDTree cannot serve it"
-            )
-        num_reqs = input_batch.num_reqs
-        if self.profiler is not None:
-            # Tokens beyond each request's root and drafts are prompt tokens.
-            with_prefill = input_batch.num_tokens > num_reqs + input_batch.num_draft_tokens
-            self.profiler.mark("verify", num_reqs, with_prefill, input_batch.num_tokens)
-        if input_batch.num_draft_tokens == 0 and input_batch.num_tokens == num_reqs:
-            # One query token per request (decodes without drafts, budget-0 steps):
-            # attention reads only bias[r, 0, 0], which is 0 in every tree written
-            # and in the zeroed buffer, so the bias needs no rewrite.
-            self._verified_rows = None
-            return
-        idx_mapping = input_batch.idx_mapping
-        cu = input_batch.cu_num_logits
-        if self.fused_kernels:
-            write_tree_attn_bias_fused(
-                self.tree_attn_bias, self.parents_by_state, idx_mapping, cu, self.tree_depth
-            )
-        else:
-            has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
-            write_tree_attn_bias(
-                self.tree_attn_bias, self.parents_by_state[idx_mapping], has_tree
-            )
-        if input_batch.num_draft_tokens == 0:
-            self._verified_rows = None
-            return
-        # Logit rows of tree requests are exactly their tokens: root + drafts.
-        rows = input_batch.logits_indices
-        positions = input_batch.positions
-        if self.fused_kernels:
-            # One launch: positions[row] = (root + l) - l + depth, linear saved.
-            self._linear_positions = rewrite_tree_positions_(
-                positions,
-                rows,
-                input_batch.expanded_local_pos,
-                input_batch.expanded_idx_mapping,
-                self.depths_by_state,
-                self._linear_positions_buf,
-            )
-        else:
-            local = input_batch.expanded_local_pos.to(torch.int64)
-            depth = self.depths_by_state[input_batch.expanded_idx_mapping, local]
-            self._linear_positions = positions[rows].clone()
-            root_position = positions[rows - local]
-            positions[rows] = root_position + depth.to(positions.dtype)
-        self._verified_rows = rows
+        """Runner hook before the target forward (:meth:`TreeVerifier.prepare`: depth
+        positions and tree masks). ``next_budget`` is the scheduler's
+        ``num_spec_tokens_to_schedule``: the drafts per request it verifies after this
+        step, which propose() drafts."""
+        self.verifier.prepare(input_batch, next_budget)
 
-    def record_walk(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        self.accepted_nodes = accepted_nodes
-        self.num_accepted = num_accepted
-        self._pending_compaction = self._verified_rows is not None
-
-    # ------------------------------------------------ compaction and drafting
-
-    def _compact_accepted_path(
-        self,
-        input_batch: InputBatch,
-        slot_mappings: dict[str, torch.Tensor],
-        hidden_states: torch.Tensor,
-    ) -> None:
-        rows = self._verified_rows
-        assert rows is not None and self._linear_positions is not None
-        assert self.accepted_nodes is not None and self.num_accepted is not None
-        kv_caches = self._kv_caches()
-        if self.fused_kernels and self._kv_ptr_table is not None:
-            # One launch: the accepted path's hidden rows and KV in every layer, and
-            # the positions back to linear (a request's rows are consecutive from its
-            # root, so row start + j, which holds the depth-j node after the copy,
-            # gets start + j). The table was built from these very caches.
-            self._kv_ptr_table = compact_accepted_path_(
-                kv_caches,
-                hidden_states,
-                self.accepted_nodes,
-                self.num_accepted,
-                input_batch.query_start_loc,
-                slot_mappings[self._target_layer_name],
-                kv_ptr_table=self._kv_ptr_table,
-                positions=input_batch.positions,
-                check_table=False,
-            )
-            return
-        # Positions back to linear: row start + j holds the depth-j node after the
-        # copy below, whose position is start + j.
-        input_batch.positions[rows] = self._linear_positions
-        # Unfused (VLLM_DDTREE_FUSED_KERNELS=0, or caches that differ per layer):
-        # the same moves, hidden rows by gather-then-scatter, KV layer by layer.
-        src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
-            self.accepted_nodes,
-            self.num_accepted,
-            input_batch.query_start_loc,
-            slot_mappings[self._target_layer_name],
-        )
-        # Non-moves copy row 0 onto itself (no move ever targets row 0: the root
-        # stays where it is).
-        hidden_states[dst_rows.clamp(min=0)] = hidden_states[src_rows.clamp(min=0)]
-        for kv_cache in kv_caches:
-            compact_kv_cache_(
-                kv_cache,
-                src_slots,
-                dst_slots,
-                "vllm",
-                moves_per_group=self.tree_depth + 1,
-            )
+    @property
+    def _next_budget(self) -> int:
+        return self.verifier.step.next_budget
 
     @torch.inference_mode()
     def propose(
@@ -682,8 +497,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         no_drafts = not dummy_run and self._next_budget == 0
         if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
             # No drafts verified, none to draft: the drafter's context in one replay.
-            self._pending_compaction = False
-            self._verified_rows = None
+            self.verifier.end_step()
             if profiler is not None:
                 profiler.mark("compacted")
                 profiler.mark("drafted")
@@ -697,10 +511,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if not dummy_run:
             # A dummy run (data parallelism, cost measurements) between a walk and
             # its propose must leave the pending compaction for the real one.
-            if self._pending_compaction:
-                self._compact_accepted_path(input_batch, slot_mappings, hidden_states)
-            self._pending_compaction = False
-            self._verified_rows = None
+            self.verifier.compact(input_batch, slot_mappings, hidden_states)
         if profiler is not None:
             profiler.mark("compacted")
 
@@ -744,22 +555,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         finally:
             self._profiling_draft = False
         if not dummy_run:
-            self._store_trees(input_batch.idx_mapping)
+            self.verifier.store_trees(self.trees, input_batch.idx_mapping)
             if not self._input_kernel_warm:
                 self._warm_up_input_kernel(last_sampled, next_prefill_tokens)
         if profiler is not None:
             profiler.mark("drafted")
         return draft_tokens
-
-    def _store_trees(self, idx_mapping: torch.Tensor) -> None:
-        """This step's trees (batch order) into the by-state tables that the next
-        verification reads: a request may sit out steps, so trees live by state."""
-        by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
-                    self.valid_by_state)
-        if self.fused_kernels:
-            store_trees_by_state_(self.trees, idx_mapping, *by_state)
-        else:
-            store_trees_by_state_reference_(self.trees, idx_mapping, *by_state)
 
     def _generate_draft(
         self,
@@ -797,119 +598,3 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft_logits = self.model.compute_logits(last_hidden_states[rows])
         trees = build_trees(draft_logits.view(num_reqs, depth, -1), budget, top_k, out=out)
         self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]
-
-
-class DDTreeSampler:
-    """Replaces the chain rejection sampler: one target sample per tree node, then
-    the walk down the tree. Lossless: see :mod:`vllm_ddtree.tree_walk`."""
-
-    def __init__(self, sampler: Sampler, speculator: DDTreeSpeculator):
-        self.sampler = sampler
-        self.speculator = speculator
-        self.num_tree_nodes = speculator.num_tree_nodes
-        self.tree_depth = speculator.tree_depth
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        input_batch: InputBatch,
-        draft_logits: torch.Tensor | None = None,
-    ) -> SamplerOutput:
-        sampler = self.sampler
-        profiler = self.speculator.profiler
-        if profiler is not None:
-            profiler.mark("sample")
-        num_nans = get_num_nans(logits) if sampler.compute_nans else None
-        if sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) != (
-            NO_LOGPROBS
-        ):
-            # Engine warm-up asks for logprobs; real requests asking for them are
-            # refused at the API (vllm_ddtree.config.validate_ddtree_request).
-            logger.warning_once("ddtree: sample logprobs are not returned yet")
-        # pos = start + depth for tree rows (set by prepare_tree_verification), so
-        # seeded Gumbel noise is keyed exactly as without speculation.
-        pos = input_batch.positions[input_batch.logits_indices]
-        input_ids = input_batch.input_ids[input_batch.logits_indices]
-        node_samples, _ = sampler.sample(
-            logits,
-            input_batch.expanded_idx_mapping,
-            input_batch.idx_mapping_np,
-            pos,
-            input_ids,
-            input_batch.expanded_local_pos,
-        )
-
-        cu = input_batch.cu_num_logits
-        spec = self.speculator
-        idx_mapping = input_batch.idx_mapping
-        if spec.fused_kernels:
-            # One launch: node i of request r is logit row cu[r] + i; nodes the
-            # scheduler did not schedule (a prefix of the tree was verified) and
-            # requests without a tree are never accepted.
-            # Fresh outputs every step: output_tokens becomes the runner's sampled
-            # tokens, which vLLM may still be copying to the host asynchronously when
-            # the next step samples; aligned at every batch size (no JIT while serving).
-            out = step_walk_outputs(input_batch.num_reqs, self.tree_depth, logits.device)
-            walk = walk_tree_fused(
-                node_samples,
-                cu,
-                idx_mapping,
-                spec.tokens_by_state,
-                spec.parents_by_state,
-                spec.valid_by_state,
-                self.tree_depth,
-                out=out,
-            )
-        else:
-            walk = self._walk_unfused(logits, input_batch, node_samples)
-        spec.record_walk(walk.accepted_nodes, walk.num_accepted)
-        if profiler is not None:
-            profiler.mark("walked")
-
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
-            walk.num_output.to(torch.int32),
-            input_batch.seq_lens,
-            cu,
-            idx_mapping,
-            sampler.req_states.prefill_len.gpu,
-        )
-        return SamplerOutput(
-            sampled_token_ids=walk.output_tokens,
-            logprobs_tensors=None,
-            num_nans=num_nans,
-            num_sampled=num_sampled,
-            num_rejected=num_rejected,
-        )
-
-    def _walk_unfused(self, logits, input_batch: InputBatch, node_samples):
-        """The multi-launch walk (VLLM_DDTREE_FUSED_KERNELS=0): same result."""
-        num_reqs = input_batch.num_reqs
-        device = logits.device
-        cu = input_batch.cu_num_logits
-        num_logits = logits.shape[0]
-        logit_req = torch.searchsorted(
-            cu[1 : num_reqs + 1],
-            torch.arange(num_logits, device=device, dtype=cu.dtype),
-            right=True,
-        )
-        local = input_batch.expanded_local_pos.to(torch.int64)
-        target_tokens = torch.zeros(
-            (num_reqs, self.num_tree_nodes), dtype=torch.int64, device=device
-        )
-        target_tokens[logit_req, local] = node_samples.to(torch.int64)
-
-        spec = self.speculator
-        idx_mapping = input_batch.idx_mapping
-        num_nodes = (cu[1 : num_reqs + 1] - cu[:num_reqs]).to(torch.int64)
-        node_index = torch.arange(self.num_tree_nodes, device=device)[None, :]
-        # Nodes the scheduler did not schedule (drafts cut near max_model_len or by
-        # the token budget) and requests without a tree are never accepted.
-        valid = spec.valid_by_state[idx_mapping] & (node_index < num_nodes[:, None])
-        walk = walk_tree(
-            spec.tokens_by_state[idx_mapping],
-            spec.parents_by_state[idx_mapping],
-            valid,
-            target_tokens,
-            self.tree_depth,
-        )
-        return walk

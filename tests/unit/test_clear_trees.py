@@ -1,4 +1,4 @@
-"""Resetting trees to root-only on steps that draft none (vllm_ddtree.speculator.clear_trees_).
+"""Resetting trees to root-only on steps that draft none (vllm_ddtree.tree_verifier.clear_trees_).
 
 A budget-0 step calls it once. CPU: it clears every node but the root of the given
 states and nothing else. GPU: it never makes the host wait for the device (torch's
@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ddtree.speculator import clear_trees_  # noqa: E402
+from vllm_ddtree.tree_verifier import clear_trees_  # noqa: E402
 
 
 def _case(device):

@@ -220,6 +220,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_module
 
     from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.tree_verifier import TreeVerifier
 
     calls = {"prepare": [], "store": [], "super": 0}
     monkeypatch.setattr(dflash_module, "prepare_dflash_inputs",
@@ -236,12 +237,13 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec._drafting_budget = budget_by_batch
     spec.online_budget = False
     spec.profiler = None
-    spec._pending_compaction = False
-    spec._verified_rows = None
     spec._profiling_draft = False
     spec.draft_tokens = torch.zeros(4, 8, dtype=torch.int64)
-    spec.valid_by_state = torch.ones(6, 9, dtype=torch.bool)
-    spec._no_tree = torch.zeros((), dtype=torch.bool)
+    # The verifier (real, on the CPU): every state starts with a full tree.
+    spec.verifier = TreeVerifier(6, 8, 8, 32, "cpu", False)
+    spec.verifier.valid_by_state.fill_(True)
+    spec.valid_by_state = spec.verifier.valid_by_state
+    spec.trees = None
     spec.draft_kv_cache_group_ids = [0]
     spec.block_tables = types.SimpleNamespace(
         slot_mappings=[torch.zeros(16)], input_block_tables=["bt"], kernel_block_sizes=[16])
@@ -257,7 +259,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.model = types.SimpleNamespace(
         precompute_and_store_context_kv=lambda h, pos, slots: calls["store"].append(
             (h.clone(), pos.clone(), slots.clone())))
-    spec._store_trees = lambda idx: None
+    spec.verifier.store_trees = lambda trees, idx: None
     spec._input_kernel_warm = True  # tests/unit/test_dflash_input_warmup.py covers it
     return spec, calls
 
@@ -265,8 +267,11 @@ def _context_only_fake(monkeypatch, budget_by_batch):
 def _schedule_next(spec, num_reqs):
     """What the scheduler verifies after this step (num_spec_tokens_to_schedule,
     handed over by prepare_tree_verification): its lookup at this batch size."""
+    from vllm_ddtree.tree_verifier import TreeStep
+
     table = spec._budget_by_batch
-    spec._next_budget = spec.tree_budget if table is None else table[num_reqs]
+    spec.verifier.step = TreeStep(next_budget=spec.tree_budget if table is None
+                                  else table[num_reqs])
 
 
 def _propose(spec, num_reqs, hidden):

@@ -64,7 +64,7 @@ def test_a_missing_method_and_attribute_are_named_in_one_error(monkeypatch):
     with pytest.raises(ReachInError) as info:
         check_reach_ins(REACH_INS)
     message = str(info.value)
-    assert ("vllm.v1.worker.gpu.sample.sampler:Sampler (attributes; used in speculator.py "
+    assert ("vllm.v1.worker.gpu.sample.sampler:Sampler (attributes; used in tree_verifier.py "
             "(DDTreeSampler)): expected attributes ['sample', 'compute_nans', "
             "'sampling_states', 'req_states'], missing ['sample']") in message
     assert "vllm.v1.worker.gpu.sample.sampler:Sampler.sample (signature" in message

@@ -1,5 +1,6 @@
-"""DDTreeSpeculator._compact_accepted_path: the one-launch path (KV + hidden states +
-positions restore) leaves exactly what the multi-launch path leaves."""
+"""TreeVerifier.compact: the one-launch path (KV + hidden states + positions restore)
+leaves exactly what the multi-launch path leaves; trees land by request state; the
+step's order is checked."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_ddtree.kv_compaction import build_kv_ptr_table  # noqa: E402
-from vllm_ddtree.speculator import DDTreeSpeculator  # noqa: E402
+from vllm_ddtree.tree_verifier import TreeStep, TreeVerifier  # noqa: E402
 
 NB, BS, H, HS, LAYERS = 8, 8, 2, 4, 3
 DEPTH, BUDGET = 4, 8
@@ -48,25 +48,29 @@ def _batch(device):
                 caches=[to(c) for c in caches], hidden=to(hidden))
 
 
-def _speculator(b, fused: bool) -> DDTreeSpeculator:
-    spec = object.__new__(DDTreeSpeculator)  # no vLLM engine: only what the method reads
-    spec.fused_kernels = fused
-    spec.tree_depth = DEPTH
-    spec._target_kv_caches = b["caches"]
-    spec._target_layer_name = "layer.0"
-    spec._kv_ptr_table = build_kv_ptr_table(b["caches"]) if fused else None
-    spec._verified_rows = b["rows"]
-    spec._linear_positions = b["linear"][b["rows"]]
-    spec.accepted_nodes = b["acc"]
-    spec.num_accepted = b["num_acc"]
-    return spec
+def _verifier(fused: bool, device, max_num_reqs: int = 10) -> TreeVerifier:
+    return TreeVerifier(max_num_reqs, BUDGET, DEPTH, 64, device, fused)
+
+
+def _verified(b, fused: bool) -> TreeVerifier:
+    """A verifier whose step verified the batch's trees and walked them."""
+    v = _verifier(fused, b["hidden"].device)
+    v.set_kv_source(lambda: [(f"layer.{i}", c) for i, c in enumerate(b["caches"])])
+    v.step = TreeStep(next_budget=BUDGET, verified_rows=b["rows"],
+                      linear_positions=b["linear"][b["rows"]])
+    v.record_walk(b["acc"], b["num_acc"])
+    return v
 
 
 def test_one_launch_path_equals_the_multi_launch_path(triton_device):
     fused, plain = _batch(triton_device), _batch(triton_device)
     for b, on in ((fused, True), (plain, False)):
         batch = types.SimpleNamespace(positions=b["positions"], query_start_loc=b["qsl"])
-        _speculator(b, on)._compact_accepted_path(batch, {"layer.0": b["slots"]}, b["hidden"])
+        v = _verified(b, on)
+        assert v.step.pending_compaction
+        v.compact(batch, {"layer.0": b["slots"]}, b["hidden"])
+        assert not v.step.pending_compaction and v.step.next_budget == BUDGET
+        assert (v._kv_ptr_table is not None) == on
     assert torch.equal(fused["positions"].cpu(), fused["linear"].cpu())
     assert torch.equal(plain["positions"].cpu(), plain["linear"].cpu())
     assert torch.equal(fused["hidden"].cpu(), plain["hidden"].cpu())
@@ -81,24 +85,17 @@ def test_new_trees_land_by_request_state_on_both_paths(triton_device):
 
     results = []
     for fused in (True, False):
-        spec = object.__new__(DDTreeSpeculator)
-        spec.fused_kernels = fused
+        v = _verifier(fused, triton_device)
         out = empty_tree(6, BUDGET, "cpu")
         trees = build_trees(torch.randn(6, DEPTH, 50, generator=torch.Generator().manual_seed(1)),
                             BUDGET, backend="torch", out=out)
-        spec.trees = type(trees)(*(t.to(triton_device) for t in trees))
-        n = BUDGET + 1
-        spec.tokens_by_state = torch.zeros(10, n, dtype=torch.int64, device=triton_device)
-        spec.parents_by_state = torch.zeros(10, n, dtype=torch.int32, device=triton_device)
-        spec.depths_by_state = torch.zeros(10, n, dtype=torch.int32, device=triton_device)
-        spec.valid_by_state = torch.zeros(10, n, dtype=torch.bool, device=triton_device)
         idx = torch.tensor([7, 2, 9], dtype=torch.int32, device=triton_device)
-        spec._store_trees(idx)
-        results.append(spec)
+        v.store_trees(type(trees)(*(t.to(triton_device) for t in trees)), idx)
+        results.append(v)
         # batch row 1 -> state 2
-        assert torch.equal(spec.parents_by_state[2].cpu(), trees.node_parents[1])
-        assert torch.equal(spec.tokens_by_state[9].cpu(), trees.node_tokens[2])
-        assert not spec.valid_by_state[0].any()
+        assert torch.equal(v.parents_by_state[2].cpu(), trees.node_parents[1])
+        assert torch.equal(v.tokens_by_state[9].cpu(), trees.node_tokens[2])
+        assert not v.valid_by_state[0].any()
     for name in ("tokens_by_state", "parents_by_state", "depths_by_state", "valid_by_state"):
         assert torch.equal(getattr(results[0], name).cpu(), getattr(results[1], name).cpu())
 
@@ -106,16 +103,14 @@ def test_new_trees_land_by_request_state_on_both_paths(triton_device):
 def test_verifying_again_before_the_last_path_was_compacted_fails_loudly():
     """Compaction runs in propose(); a runner that verified a new tree without calling
     propose() after the last walk would read KV from the wrong slots: refused."""
-    spec = object.__new__(DDTreeSpeculator)
-    spec.profiler = None
-    spec._verified_rows = torch.arange(3)
-    spec.record_walk(torch.zeros(1, DEPTH + 1, dtype=torch.int64),
-                     torch.zeros(1, dtype=torch.int32))
+    v = _verifier(False, "cpu")
+    v.step = TreeStep(next_budget=2, verified_rows=torch.arange(3))
+    v.record_walk(torch.zeros(1, DEPTH + 1, dtype=torch.int64),
+                  torch.zeros(1, dtype=torch.int32))
     batch = types.SimpleNamespace(num_reqs=1, num_draft_tokens=2, num_tokens=3)
     with pytest.raises(RuntimeError, match="propose"):
-        spec.prepare_tree_verification(batch, 2)
+        v.prepare(batch, 2)
     # Without a pending path (the walk verified no tree), the hook runs on.
-    spec._pending_compaction = False
-    spec.prepare_tree_verification(types.SimpleNamespace(num_reqs=1, num_draft_tokens=0,
-                                                         num_tokens=1), 0)
-    assert spec._next_budget == 0
+    v.end_step()
+    v.prepare(types.SimpleNamespace(num_reqs=1, num_draft_tokens=0, num_tokens=1), 0)
+    assert v.step.next_budget == 0 and not v.step.pending_compaction

@@ -143,13 +143,12 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_speculator_prepare_and_restore(triton_device, fused):
-    """prepare_tree_verification rewrites positions the same way in both modes, and
-    the restore line of _compact_accepted_path gives the linear positions back."""
+    """TreeVerifier.prepare rewrites positions the same way in both modes, and the
+    restore line of its compaction gives the linear positions back."""
     pytest.importorskip("vllm")
     import types
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
-    from vllm_ddtree.tree_attention import allocate_tree_attn_bias
+    from vllm_ddtree.tree_verifier import TreeVerifier
 
     dev = triton_device
     gen = torch.Generator().manual_seed(31)
@@ -163,17 +162,11 @@ def test_speculator_prepare_and_restore(triton_device, fused):
     counts = [idx.tolist().count(s) for s in reqs]
     cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=dev)
 
-    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU set-up
-    spec.profiler = None
-    spec._pending_compaction = False
-    spec.fused_kernels = fused
-    spec.tree_depth = n_nodes - 1
-    spec.depths_by_state = depths.to(dev)
-    spec.parents_by_state = torch.full((num_states, n_nodes), -1, dtype=torch.int32, device=dev)
-    spec.parents_by_state[:, 1:] = 0
-    spec.tree_attn_bias = allocate_tree_attn_bias(num_states, n_nodes, dev)
-    spec._linear_positions_buf = torch.full((positions.numel() + 8,), SENTINEL, dtype=torch.int64,
-                                            device=dev)
+    v = TreeVerifier(num_states, n_nodes - 1, n_nodes - 1, positions.numel() + 8, dev, fused)
+    v.depths_by_state = depths.to(dev)
+    v.parents_by_state = torch.full((num_states, n_nodes), -1, dtype=torch.int32, device=dev)
+    v.parents_by_state[:, 1:] = 0
+    v._linear_positions_buf.fill_(SENTINEL)
     batch = types.SimpleNamespace(
         num_reqs=len(reqs),
         idx_mapping=torch.tensor(reqs, dtype=torch.int32, device=dev),
@@ -185,15 +178,16 @@ def test_speculator_prepare_and_restore(triton_device, fused):
         positions=positions.to(dev).clone(),
     )
     assert batch.num_draft_tokens > 0
-    DDTreeSpeculator.prepare_tree_verification(spec, batch, 4)
+    v.prepare(batch, 4)
+    step = v.step
     assert torch.equal(batch.positions.cpu(), want_pos)
-    assert torch.equal(spec._linear_positions.cpu(), want_lin)
-    assert spec._verified_rows is batch.logits_indices
+    assert torch.equal(step.linear_positions.cpu(), want_lin)
+    assert step.verified_rows is batch.logits_indices and step.next_budget == 4
     if fused:  # a view of the preallocated buffer, the rest untouched
-        assert spec._linear_positions.data_ptr() == spec._linear_positions_buf.data_ptr()
-        assert (spec._linear_positions_buf[rows.numel():].cpu() == SENTINEL).all()
-    # _compact_accepted_path's restore.
-    batch.positions[spec._verified_rows] = spec._linear_positions
+        assert step.linear_positions.data_ptr() == v._linear_positions_buf.data_ptr()
+        assert (v._linear_positions_buf[rows.numel():].cpu() == SENTINEL).all()
+    # The compaction's restore.
+    batch.positions[step.verified_rows] = step.linear_positions
     assert torch.equal(batch.positions.cpu(), positions)
 
 
@@ -204,22 +198,18 @@ def test_one_token_per_request_leaves_the_bias_alone(monkeypatch):
     pytest.importorskip("vllm")
     import types
 
-    from vllm_ddtree import speculator as spec_module
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree import tree_verifier as verifier_module
+    from vllm_ddtree.tree_verifier import TreeVerifier
 
     writes = []
-    monkeypatch.setattr(spec_module, "write_tree_attn_bias_fused",
+    monkeypatch.setattr(verifier_module, "write_tree_attn_bias_fused",
                         lambda *a: writes.append(a))
-    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    spec.profiler, spec.fused_kernels, spec.tree_depth = None, True, 4
-    spec._pending_compaction = False
-    spec.tree_attn_bias = spec.parents_by_state = torch.zeros(1)
-    spec._verified_rows = "stale"
+    v = TreeVerifier(4, 4, 4, 16, "cpu", True)
     decodes = types.SimpleNamespace(num_reqs=3, num_tokens=3, num_draft_tokens=0,
                                     idx_mapping=None, cu_num_logits=None)
-    DDTreeSpeculator.prepare_tree_verification(spec, decodes, 0)
-    assert writes == [] and spec._verified_rows is None
+    v.prepare(decodes, 0)
+    assert writes == [] and v.step.verified_rows is None
     prefill = types.SimpleNamespace(num_reqs=2, num_tokens=5, num_draft_tokens=0,
                                     idx_mapping=None, cu_num_logits=None)
-    DDTreeSpeculator.prepare_tree_verification(spec, prefill, 4)
-    assert len(writes) == 1 and spec._verified_rows is None
+    v.prepare(prefill, 4)
+    assert len(writes) == 1 and v.step.verified_rows is None

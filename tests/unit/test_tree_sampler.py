@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-import vllm_ddtree.speculator as spec_mod  # noqa: E402
-from vllm_ddtree.speculator import DDTreeSampler, DDTreeSpeculator  # noqa: E402
+import vllm_ddtree.tree_verifier as spec_mod  # noqa: E402
+from vllm_ddtree.tree_verifier import DDTreeSampler, TreeStep, TreeVerifier  # noqa: E402
 
 DEPTH, BUDGET, VOCAB, STATES = 4, 7, 3, 6
 
@@ -55,14 +55,10 @@ def _setup(device):
 
 
 def _run(s, fused: bool):
-    spec = object.__new__(DDTreeSpeculator)
-    spec.fused_kernels = fused
-    spec.tree_depth = DEPTH
-    spec.num_tree_nodes = BUDGET + 1
-    spec.profiler = None
+    spec = TreeVerifier(STATES, BUDGET, DEPTH, 64, s["logits"].device, fused)
     spec.tokens_by_state, spec.parents_by_state, spec.valid_by_state = (
         s["tokens"], s["parents"], s["valid"])
-    spec._verified_rows = s["batch"].logits_indices
+    spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
     sampler = types.SimpleNamespace(
         compute_nans=False,
         sampling_states=types.SimpleNamespace(
@@ -84,11 +80,12 @@ def test_fused_and_unfused_walks_give_the_same_runner_output(triton_device, monk
     for r, k in enumerate(n_out):
         # Outputs past num_output are padding and may differ between the paths.
         assert torch.equal(a.sampled_token_ids[r, :k].cpu(), b.sampled_token_ids[r, :k].cpu())
-    assert torch.equal(spec_a.num_accepted.cpu(), spec_b.num_accepted.cpu())
-    for r, k in enumerate(spec_a.num_accepted.cpu().tolist()):
-        assert torch.equal(spec_a.accepted_nodes[r, :k + 1].cpu(),
-                           spec_b.accepted_nodes[r, :k + 1].cpu())
-    assert spec_a._pending_compaction and spec_b._pending_compaction
+    step_a, step_b = spec_a.step, spec_b.step
+    assert torch.equal(step_a.num_accepted.cpu(), step_b.num_accepted.cpu())
+    for r, k in enumerate(step_a.num_accepted.cpu().tolist()):
+        assert torch.equal(step_a.accepted_nodes[r, :k + 1].cpu(),
+                           step_b.accepted_nodes[r, :k + 1].cpu())
+    assert step_a.pending_compaction and step_b.pending_compaction
     # The plain decode (no tree) outputs exactly its one sampled token.
     assert n_out[2] == 1
     assert int(a.sampled_token_ids[2, 0]) == int(s["logits"][-1].argmax())
@@ -100,5 +97,5 @@ def test_the_scenario_accepts_tree_nodes(triton_device, monkeypatch):
     """Guard for the comparison above: the greedy target does follow the trees."""
     monkeypatch.setattr(spec_mod, "get_num_sampled_and_rejected", _num_sampled_and_rejected)
     out, spec = _run(_setup(triton_device), True)
-    accepted = spec.num_accepted.cpu().tolist()
+    accepted = spec.step.num_accepted.cpu().tolist()
     assert accepted[0] >= 1 and accepted[2] == 0
