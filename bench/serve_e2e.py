@@ -17,10 +17,11 @@ process this script started and writes what it has if the budget is overrun):
    non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
    the ``vllm:spec_decode*`` Prometheus counters (mean acceptance length
    = 1 + accepted / drafts).
-4. ``bad_requests``: what DDTree refuses per request (logprobs) and plain bad requests
-   get a 4xx with a message; the server stays healthy.
-   ``features``: what DDTree serves without drafts (penalties, bad words, a JSON schema)
-   gets a 200, the schema's answer parses as JSON with its required field.
+4. ``bad_requests``: what DDTree refuses per request (prompt logprobs) and plain bad
+   requests get a 4xx with a message; the server stays healthy.
+   ``features``: what DDTree serves (logprobs; penalties, bad words and a JSON schema,
+   without drafts) gets a 200 with the logprobs asked for, the schema's answer parses
+   as JSON with its required field.
 5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
@@ -779,8 +780,8 @@ def bad_requests(model: str) -> list[dict]:
     """Requests that must get a 4xx: what DDTree refuses, then plain client errors."""
     base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
     return [
-        {"name": "logprobs", "path": "/v1/completions", "body": dict(base, logprobs=2),
-         "expect": 400, "mentions": "logprobs"},
+        {"name": "prompt_logprobs", "path": "/v1/completions",
+         "body": dict(base, prompt_logprobs=1), "expect": 400, "mentions": "prompt_logprobs"},
         {"name": "negative_max_tokens", "path": "/v1/completions", "body": dict(base, max_tokens=-1),
          "expect": 400, "mentions": "max_tokens"},
         {"name": "unknown_model", "path": "/v1/completions", "body": dict(base, model="no-such-model"),
@@ -815,11 +816,15 @@ def check_bad_requests(run: Run, base: str) -> None:
 
 
 def served_features(model: str) -> list[dict]:
-    """Requests DDTree serves without drafts: each must get a 200; ``json_field``: the
-    answer's content must parse as a JSON object with that field."""
+    """Requests DDTree serves (logprobs on trees; penalties, bad words, a JSON schema
+    without drafts): each must get a 200; ``json_field``: the answer's content must parse
+    as a JSON object with that field; ``logprobs``: every token has that many top
+    logprobs."""
     base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0}
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     return [
+        {"name": "logprobs", "path": "/v1/completions", "body": dict(base, logprobs=2),
+         "logprobs": 2},
         {"name": "presence_penalty", "path": "/v1/completions",
          "body": dict(base, presence_penalty=0.5)},
         {"name": "repetition_frequency_penalties", "path": "/v1/completions",
@@ -848,6 +853,10 @@ def check_features(run: Run, base: str) -> None:
         answer = _answer(r) if r.status == 200 else None
         ok = r.status == 200 and answer is not None
         parsed = None
+        if ok and req.get("logprobs"):
+            choice = (((r.json() or {}).get("choices")) or [{}])[0]
+            top = ((choice.get("logprobs") or {}).get("top_logprobs")) or []
+            ok = bool(top) and all(len(t) >= req["logprobs"] for t in top)
         if ok and req.get("json_field"):
             try:
                 parsed = json.loads(answer)

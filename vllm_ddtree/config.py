@@ -831,7 +831,10 @@ TREE_EXACT_REQUEST_FIELDS = {
     "skip_clone": "how the engine copies the parameters",
     "repetition_detection": "the scheduler's stop check, on accepted tokens",
     "skip_reading_prefix_cache": "the scheduler's prefix cache",
-    "flat_logprobs": "only the format of logprobs, which are refused",
+    "flat_logprobs": "only the format of logprobs",
+    "logprobs": "the tree sampler scores each emitted token at the node it was sampled "
+                "from, with vLLM's compute_topk_scores (DDTreeSampler._path_logprobs)",
+    "logprob_token_ids": "the same, for the requested token ids",
     "extra_args": "read by no in-tree sampler; custom logits processors, which "
                   "could read it, stop the V2 runner at start-up",
     "routed_experts_prompt_start": "routed-experts capture stops the V2 runner at "
@@ -859,8 +862,6 @@ TREE_WITHOUT_DRAFTS_REQUEST_FIELDS = {
 }
 # Refused unless at their default, with the reason the refusal names.
 TREE_REFUSED_REQUEST_FIELDS = {
-    "logprobs": "the tree sampler returns no sample logprobs yet",
-    "logprob_token_ids": "the tree sampler returns no logprobs yet",
     "prompt_logprobs": "prompt logprobs are not checked against decoding without "
                        "speculation yet",
     "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "

@@ -202,7 +202,8 @@ REACH_INS: tuple[ReachIn, ...] = (
            "tree_verifier.py (DDTreeSampler)", "the tree sampler returns the runner's type",
            "never"),
     _attrs("vllm.v1.worker.gpu.sample.sampler", "Sampler",
-           "sample compute_nans sampling_states req_states", "tree_verifier.py (DDTreeSampler)",
+           "sample compute_nans sampling_states req_states returns_logprobs logprobs_mode "
+           "logprob_token_ids_state", "tree_verifier.py (DDTreeSampler)",
            "one target sample per node through vLLM's own sampler (penalties, bias, "
            "Gumbel noise keyed by seed and position)",
            "vLLM's V2 runner takes a tree sampler (the tree walk upstream)"),
@@ -212,9 +213,14 @@ REACH_INS: tuple[ReachIn, ...] = (
          "called positionally with pos = start + depth, so seeded noise matches plain "
          "decoding", "vLLM's V2 runner takes a tree sampler"),
     _sig("vllm.v1.worker.gpu.sample.states", "SamplingStates.max_num_logprobs",
-         "self idx_mapping_np", "tree_verifier.py (DDTreeSampler)",
-         "warns when logprobs are asked for (the tree sampler returns none)",
-         "the tree sampler returns logprobs"),
+         "self idx_mapping_np", "tree_verifier.py (DDTreeSampler._path_logprobs)",
+         "how many top logprobs the batch asks for", "never (a V2 helper)"),
+    _sig("vllm.v1.worker.gpu.sample.logprob", "compute_topk_scores",
+         "logits num_logprobs sampled_token_ids cu_num_logits logprob_token_ids_state "
+         "expanded_idx_mapping max_per_req_token_ids logits_mode",
+         "tree_verifier.py (DDTreeSampler._path_logprobs)",
+         "the emitted tokens' logprobs, scored as vLLM's samplers score them",
+         "vLLM's V2 runner takes a tree sampler"),
     ReachIn("vllm.v1.worker.gpu.sample.states", "NO_LOGPROBS", "value", (-1,),
             "tree_verifier.py (DDTreeSampler)", "the 'no logprobs' sentinel", "never"),
     _attrs("vllm.v1.worker.gpu.states", "RequestState", "prefill_len",

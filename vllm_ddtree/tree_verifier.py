@@ -306,23 +306,20 @@ class DDTreeSampler:
         if profiler is not None:
             profiler.mark("sample")
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
-        if sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np) != (
-            NO_LOGPROBS
-        ):
-            # Engine warm-up asks for logprobs; real requests asking for them are
-            # refused at the API (vllm_ddtree.config.validate_ddtree_request).
-            logger.warning_once("ddtree: sample logprobs are not returned yet")
+        return_logprobs = sampler.returns_logprobs(input_batch.idx_mapping_np)
         # pos = start + depth for tree rows (set by TreeVerifier.prepare), so seeded
-        # Gumbel noise is keyed exactly as without speculation.
+        # Gumbel noise is keyed exactly as without speculation. With raw logprobs
+        # asked for, vLLM's sampler processes a copy: ``logits`` stays raw.
         pos = input_batch.positions[input_batch.logits_indices]
         input_ids = input_batch.input_ids[input_batch.logits_indices]
-        node_samples, _ = sampler.sample(
+        node_samples, processed_logits = sampler.sample(
             logits,
             input_batch.expanded_idx_mapping,
             input_batch.idx_mapping_np,
             pos,
             input_ids,
             input_batch.expanded_local_pos,
+            return_logprobs=return_logprobs,
         )
 
         cu = input_batch.cu_num_logits
@@ -351,6 +348,12 @@ class DDTreeSampler:
         if profiler is not None:
             profiler.mark("walked")
 
+        logprobs_tensors = None
+        if return_logprobs:
+            processed = sampler.logprobs_mode in ("processed_logprobs", "processed_logits")
+            logprobs_tensors = self._path_logprobs(
+                processed_logits if processed else logits, input_batch, walk)
+
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             walk.num_output.to(torch.int32),
             input_batch.seq_lens,
@@ -360,10 +363,49 @@ class DDTreeSampler:
         )
         return SamplerOutput(
             sampled_token_ids=walk.output_tokens,
-            logprobs_tensors=None,
+            logprobs_tensors=logprobs_tensors,
             num_nans=num_nans,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
+        )
+
+    def _path_logprobs(self, logits: torch.Tensor, input_batch: InputBatch, walk) -> Any:
+        """Logprobs of the emitted tokens, in the layout vLLM's rejection sampler gives
+        a chain: row ``cu[r] + j`` holds request r's j-th output token with the scores
+        of the logit row it was sampled from, the row of the accepted path's depth-j
+        node (the root for j = 0; the bonus token's node for the last). Rows past a
+        request's outputs keep their own logits and are never read. Computed by
+        vLLM's ``compute_topk_scores`` (top-k, the requested token ids, ranks), so the
+        values are the target's at those nodes, as plain decoding computes them at
+        the same positions."""
+        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+        sampler = self.sampler
+        num_logits = logits.shape[0]
+        num_reqs = input_batch.num_reqs
+        cu = input_batch.cu_num_logits
+        rows = torch.arange(num_logits, device=logits.device)
+        local = input_batch.expanded_local_pos.to(torch.int64)
+        # The batch row of each logit row: requests' rows are consecutive from cu[r].
+        req = torch.searchsorted(cu[1 : num_reqs + 1].to(torch.int64), rows, right=True)
+        depth = local.clamp(max=self.tree_depth)
+        on_path = local < walk.num_output.to(torch.int64)[req]
+        node = walk.accepted_nodes.to(torch.int64)[req, depth]
+        path_logits = logits[torch.where(on_path, (rows - local) + node.clamp(min=0), rows)]
+        tokens = torch.where(on_path, walk.output_tokens.to(torch.int64)[req, depth],
+                             torch.zeros_like(rows))
+        max_num_logprobs = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+        expanded = num_logits != input_batch.idx_mapping_np.shape[0]
+        return compute_topk_scores(
+            path_logits,
+            max_num_logprobs if max_num_logprobs != NO_LOGPROBS else 0,
+            tokens,
+            input_batch.cu_num_logits_np.tolist() if expanded else None,
+            logprob_token_ids_state=sampler.logprob_token_ids_state,
+            expanded_idx_mapping=input_batch.expanded_idx_mapping,
+            max_per_req_token_ids=sampler.logprob_token_ids_state.max_num_token_ids(
+                input_batch.idx_mapping_np),
+            logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"),
         )
 
     def _walk_unfused(self, logits, input_batch: InputBatch, node_samples):

@@ -57,10 +57,10 @@ async def read_json(request):
 def refusal(body: dict, chat: bool):
     if body.get("model") != request_model:
         return error(404, f"The model `{body.get('model')}` does not exist.")
-    refused = [k for k in ("logprobs",) if body.get(k)]
+    if MODE == "logprobs_500" and body.get("logprobs"):
+        return web.Response(status=500, text="Internal Server Error")
+    refused = [k for k in ("prompt_logprobs",) if body.get(k)]
     if refused:
-        if MODE == "logprobs_500" and "logprobs" in refused:
-            return web.Response(status=500, text="Internal Server Error")
         return error(400, "this server decodes with DDTree speculative decoding, which does "
                           "not support " + ", ".join(refused) + " yet; leave them unset.")
     if body.get("max_tokens") is not None and body["max_tokens"] < 1:
@@ -96,6 +96,10 @@ async def completions(request):
     COUNTERS["accepted"] += n
     if not body.get("stream"):
         choice = {"index": 0, "text": text_of(ids), "finish_reason": "length"}
+        if body.get("logprobs"):
+            choice["logprobs"] = {"tokens": [f" t{i}" for i in ids],
+                                  "top_logprobs": [{f" t{i}": -0.1, f" t{i + 1}": -2.0}
+                                                   for i in ids]}
         if body.get("return_token_ids"):
             choice.update(token_ids=ids, prompt_token_ids=prompt_ids)
         return web.json_response({"object": "text_completion", "choices": [choice],

@@ -217,7 +217,7 @@ def test_flow_against_fake_server_passes(tmp_path):
     assert all(400 <= b["status"] < 500 for b in r["bad_requests"])
     # Served without drafts: penalties, bad words, a JSON schema (its answer parses).
     features = {f["name"]: f for f in r["features"]}
-    assert set(features) == {"presence_penalty", "repetition_frequency_penalties",
+    assert set(features) == {"logprobs", "presence_penalty", "repetition_frequency_penalties",
                              "bad_words", "structured_output_json_schema"}
     assert all(f["status"] == 200 for f in features.values())
     assert "name" in json.loads(features["structured_output_json_schema"]["answer"])
@@ -271,7 +271,7 @@ def test_an_offline_reference_that_fails_is_a_failure(tmp_path):
 
 
 @pytest.mark.parametrize("mode, failed", [
-    ("logprobs_500", "bad_requests/logprobs"),
+    ("logprobs_500", "features/logprobs"),
     ("bad_json", "features/structured_output_json_schema"),
     ("short", "load/zero_errors"),
 ])

@@ -38,6 +38,7 @@ EXACT_VALUES = dict(
     skip_clone=True,
     repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3),
     skip_reading_prefix_cache=True, flat_logprobs=True, extra_args={"kv_transfer_params": {}},
+    logprobs=0, logprob_token_ids=[3, 4],
     routed_experts_prompt_start=3, _eos_token_id=2, _all_stop_token_ids={2, 5},
 )
 WITHOUT_DRAFTS_VALUES = dict(
@@ -45,9 +46,7 @@ WITHOUT_DRAFTS_VALUES = dict(
     bad_words=["foo"], _bad_words_token_ids=[[3]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}),
 )
-REFUSED_VALUES = dict(
-    logprobs=0, logprob_token_ids=[3, 4], prompt_logprobs=1, thinking_token_budget=16,
-)
+REFUSED_VALUES = dict(prompt_logprobs=1, thinking_token_budget=16)
 
 
 def _params(name, value):
@@ -117,19 +116,23 @@ def test_defaults_and_unset_equivalents_pass():
     validate_ddtree_request(SamplingParams())
     # None and [] both mean "no bad words" / "no logprob token ids".
     validate_ddtree_request(SamplingParams(bad_words=[], logprob_token_ids=[]))
+    assert not decode_without_drafts(SamplingParams(logprobs=5))
     validate_ddtree_request(SamplingParams(
         temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=7, max_tokens=5,
         min_tokens=2, logit_bias={3: 1.5}, presence_penalty=0.0, repetition_penalty=1.0))
 
 
 def test_every_refused_field_is_named_in_one_message():
-    params = SamplingParams(logprobs=2, repetition_penalty=1.1, logprob_token_ids=[7])
+    params = SamplingParams(prompt_logprobs=2, repetition_penalty=1.1, logprobs=3)
+    params.thinking_token_budget = 8
     with pytest.raises(ValueError) as info:
         validate_ddtree_request(params)
     message = str(info.value)
-    for name in ("logprobs (", "logprob_token_ids ("):
+    for name in ("prompt_logprobs (", "thinking_token_budget ("):
         assert name in message
-    assert "repetition_penalty" not in message  # served, without drafts
+    # Served: penalties without drafts, sample logprobs on trees.
+    assert "repetition_penalty" not in message and "logprobs (" not in message.replace(
+        "prompt_logprobs (", "")
     assert "DDTree" in message
 
 

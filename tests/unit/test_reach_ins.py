@@ -66,7 +66,8 @@ def test_a_missing_method_and_attribute_are_named_in_one_error(monkeypatch):
     message = str(info.value)
     assert ("vllm.v1.worker.gpu.sample.sampler:Sampler (attributes; used in tree_verifier.py "
             "(DDTreeSampler)): expected attributes ['sample', 'compute_nans', "
-            "'sampling_states', 'req_states'], missing ['sample']") in message
+            "'sampling_states', 'req_states', 'returns_logprobs', 'logprobs_mode', "
+            "'logprob_token_ids_state'], missing ['sample']") in message
     assert "vllm.v1.worker.gpu.sample.sampler:Sampler.sample (signature" in message
     assert "expected it to exist, found none (AttributeError" in message
     assert ("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager (attributes; used in "

@@ -61,9 +61,8 @@ def _run(s, fused: bool):
     spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
     sampler = types.SimpleNamespace(
         compute_nans=False,
-        sampling_states=types.SimpleNamespace(
-            max_num_logprobs=lambda idx_np: spec_mod.NO_LOGPROBS),
-        sample=lambda logits, *a: (logits.argmax(-1), None),  # greedy target samples
+        returns_logprobs=lambda idx_np: False,
+        sample=lambda logits, *a, **k: (logits.argmax(-1), None),  # greedy target samples
         req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
     )
     out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
@@ -74,6 +73,7 @@ def test_fused_and_unfused_walks_give_the_same_runner_output(triton_device, monk
     monkeypatch.setattr(spec_mod, "get_num_sampled_and_rejected", _num_sampled_and_rejected)
     s = _setup(triton_device)
     (a, spec_a), (b, spec_b) = _run(s, True), _run(s, False)
+    assert a.logprobs_tensors is None and b.logprobs_tensors is None  # none asked for
     assert torch.equal(a.num_sampled.cpu(), b.num_sampled.cpu())
     assert torch.equal(a.num_rejected.cpu(), b.num_rejected.cpu())
     n_out = a.num_sampled.cpu().tolist()
@@ -99,3 +99,45 @@ def test_the_scenario_accepts_tree_nodes(triton_device, monkeypatch):
     out, spec = _run(_setup(triton_device), True)
     accepted = spec.step.num_accepted.cpu().tolist()
     assert accepted[0] >= 1 and accepted[2] == 0
+
+
+def test_logprobs_score_each_emitted_token_at_its_node(vllm_triton, triton_device, monkeypatch):
+    """With logprobs asked for, row cu[r] + j holds request r's j-th output token scored
+    on the logit row of the node it was sampled from (the accepted path's depth-j
+    node), with vLLM's top-k and rank, as a chain's rejection sampler lays them out."""
+    monkeypatch.setattr(spec_mod, "get_num_sampled_and_rejected", _num_sampled_and_rejected)
+    s = _setup(triton_device)
+    spec = TreeVerifier(STATES, BUDGET, DEPTH, 64, s["logits"].device, True)
+    spec.tokens_by_state, spec.parents_by_state, spec.valid_by_state = (
+        s["tokens"], s["parents"], s["valid"])
+    spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
+    cu = s["batch"].cu_num_logits
+    s["batch"].cu_num_logits_np = cu.cpu().numpy()
+    sampler = types.SimpleNamespace(
+        compute_nans=False, logprobs_mode="raw_logprobs",
+        returns_logprobs=lambda idx_np: True,
+        sampling_states=types.SimpleNamespace(max_num_logprobs=lambda idx_np: 2),
+        logprob_token_ids_state=types.SimpleNamespace(max_num_token_ids=lambda idx_np: 0),
+        sample=lambda logits, *a, **k: (logits.argmax(-1), logits),
+        req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
+    )
+    out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
+    lp = out.logprobs_tensors
+    assert lp is not None and lp.cu_num_generated_tokens == cu.cpu().tolist()
+    logits = s["logits"].cpu().float()
+    step = spec.step
+    checked = 0
+    for r, k in enumerate(out.num_sampled.cpu().tolist()):
+        for j in range(k):
+            node = int(step.accepted_nodes[r, j])
+            row, src = int(cu[r]) + j, int(cu[r]) + node
+            token = int(out.sampled_token_ids[r, j])
+            want = torch.log_softmax(logits[src], -1)
+            assert int(lp.logprob_token_ids[row, 0]) == token
+            assert float(lp.logprobs[row, 0]) == pytest.approx(float(want[token]), abs=1e-5)
+            top = torch.topk(logits[src], 2).indices.tolist()
+            assert lp.logprob_token_ids[row, 1:].cpu().tolist() == top
+            assert int(lp.selected_token_ranks[row]) == int((logits[src] > logits[src][token]).sum()) + 1
+            checked += 1
+    # The greedy target followed the tree: some output came from a node below the root.
+    assert checked > len(out.num_sampled) and int(step.num_accepted[0]) >= 1
