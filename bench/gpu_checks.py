@@ -138,6 +138,9 @@ SAMPLING_MODES = {
     # Requests DDTree decodes without drafts (penalties, bad words, structured outputs:
     # FEATURE_CYCLE, by request index) mixed with requests on trees in one batch.
     "seeded-features": dict(temperature=1.0),
+    # Sample logprobs from the tree sampler: tokens compared as in every mode, and the
+    # emitted tokens' logprobs against the reference's where both emitted the same.
+    "seeded-logprobs": dict(temperature=1.0, logprobs=5),
 }
 # What "seeded-features" adds to request i: FEATURE_CYCLE[i % len(FEATURE_CYCLE)].
 FEATURE_CYCLE = (
@@ -181,11 +184,43 @@ def sampling_params(mode: str, n: int, max_tokens: int, first: int = 0) -> list:
     return out
 
 
+class Generated(list):
+    """Token ids per request; ``logprobs``: per request, the emitted tokens' logprobs
+    (None when the mode asks for none)."""
+
+    logprobs: list[list[float]] | None = None
+
+
+def emitted_logprobs(output) -> list[float] | None:
+    """The logprob of each emitted token of a vLLM ``CompletionOutput`` (None without
+    logprobs)."""
+    if not output.logprobs:
+        return None
+    return [float(step[tok].logprob) for tok, step in zip(output.token_ids, output.logprobs)]
+
+
+def max_logprob_difference(out: Generated, ref: Generated) -> float | None:
+    """The largest |logprob difference| of the same token at the same position, over
+    each request's prefix identical to the reference's (None without logprobs)."""
+    if out.logprobs is None or ref.logprobs is None:
+        return None
+    worst = 0.0
+    for o, r, lo, lr in zip(out, ref, out.logprobs, ref.logprobs):
+        for a, b, x, y in zip(o, r, lo or [], lr or []):
+            if a != b:
+                break
+            worst = max(worst, abs(x - y))
+    return worst
+
+
 def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):
     sps = sampling_params(mode, len(prompts), max_tokens, first)
     t = time.time()
     outs = llm.generate(prompts, sps, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], time.time() - t
+    tokens = Generated(list(o.outputs[0].token_ids) for o in outs)
+    if SAMPLING_MODES[mode].get("logprobs") is not None:
+        tokens.logprobs = [emitted_logprobs(o.outputs[0]) for o in outs]
+    return tokens, time.time() - t
 
 
 def _spec_stats(llm) -> dict:
@@ -542,9 +577,13 @@ def run_equiv_real(args) -> dict:
             for bs in args.batch_sizes:
                 try:
                     out, secs = _generate(llm, prompts[:bs], args.max_tokens, m)
+                    extra = {}
+                    diff = max_logprob_difference(out, ref[m][bs])
+                    if diff is not None:
+                        extra["max_logprob_abs_diff"] = round(diff, 6)
                     record(dict(config=name, batch=bs, async_scheduling=async_on,
                                 seconds=round(secs, 3), **_compare(out, ref[m][bs]),
-                                reference_tokens=_differing(out, ref[m][bs])), m)
+                                reference_tokens=_differing(out, ref[m][bs]), **extra), m)
                 except Exception as exc:
                     record(dict(config=name, batch=bs, error=repr(exc)[:1500]), m)
         results["runs"][-1]["spec_metrics"] = _spec_stats(llm)

@@ -209,7 +209,8 @@ case "$step" in
     # real pair: LOSSLESS_MODES (eager, graphs), LOSSLESS_VARIANTS, LOSSLESS_SAMPLING,
     # LOSSLESS_PROMPT_SET, LOSSLESS_MAX_TOKENS; one result file per graph mode.
     # LOSSLESS_SAMPLING=seeded-features: requests decoded without drafts (penalties, bad
-    # words, a JSON grammar) mixed with tree requests in each batch.
+    # words, a JSON grammar) mixed with tree requests in each batch; seeded-logprobs:
+    # the tree sampler's logprobs against plain decoding's (max_logprob_abs_diff).
     prepare
     read -r -a lmodes <<< "${LOSSLESS_MODES:-eager}"
     for m in "${lmodes[@]}"; do

@@ -88,3 +88,19 @@ def test_the_features_mode_mixes_requests_without_drafts_with_tree_requests():
     assert grammar.structured_outputs.json["required"] == ["answer"]
     assert not grammar.ignore_eos and sps[1].ignore_eos
     assert all(decode_without_drafts(p) is False for p in sampling_params("seeded", 3, 8))
+
+
+def test_logprob_differences_are_read_over_identical_prefixes():
+    from bench.gpu_checks import Generated, emitted_logprobs, max_logprob_difference
+    import types
+
+    ref, out = Generated([[1, 2, 3], [4, 5]]), Generated([[1, 2, 9], [4, 5]])
+    ref.logprobs = [[-0.1, -0.2, -0.3], [-1.0, -2.0]]
+    out.logprobs = [[-0.1, -0.25, -5.0], [-1.0, -2.001]]
+    # Request 0 diverges at position 2: that token's logprob is not compared.
+    assert max_logprob_difference(out, ref) == pytest.approx(0.05)
+    assert max_logprob_difference(Generated([[1]]), ref) is None
+    step = {7: types.SimpleNamespace(logprob=-0.5), 8: types.SimpleNamespace(logprob=-3.0)}
+    output = types.SimpleNamespace(token_ids=[7, 8], logprobs=[step, step])
+    assert emitted_logprobs(output) == [-0.5, -3.0]
+    assert emitted_logprobs(types.SimpleNamespace(token_ids=[7], logprobs=None)) is None
