@@ -95,3 +95,21 @@ def test_other_engines_do_not_mark_requests(models, h200):
     _add(s)
     assert not s.ddtree_without_drafts
     assert not any(hasattr(s.requests[r], "ddtree_no_drafts") for r in REQUESTS)
+
+
+def test_a_batch_of_such_requests_drafts_nothing(models, h200):
+    """When no request of a step verifies drafts, the scheduler tells the drafter to
+    draft none (num_spec_tokens_to_schedule 0): the step is a budget-0 step."""
+    s = _scheduler(_config(models))
+    for i, name in enumerate(n for n in REQUESTS if n not in ON_TREES):
+        s.add_request(Request(name, list(range(10 + i, 42 + i)), REQUESTS[name], None))
+    scheduled = []
+    for _ in range(4):
+        out = s.schedule()
+        scheduled.append(out.num_spec_tokens_to_schedule)
+        s.update_from_output(out, _output(out))
+    assert scheduled == [0, 0, 0, 0]
+    # One tree request joins: its batch drafts again.
+    s.add_request(Request("plain", list(range(60, 92)), REQUESTS["plain"], None))
+    out = s.schedule()
+    assert out.num_spec_tokens_to_schedule == BUDGET
