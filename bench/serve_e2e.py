@@ -712,6 +712,11 @@ def wait_healthy(run: Run, proc: subprocess.Popen, base: str, timeout: float,
     return False
 
 
+def first_choice(r) -> dict:
+    """The first choice of an OpenAI completion or chat answer ({} when there is none)."""
+    return (((r.json() or {}).get("choices")) or [{}])[0]
+
+
 def check_endpoints(run: Run, base: str) -> None:
     to = run.args.request_timeout
     r = http("GET", base + "/health", timeout=10)
@@ -726,7 +731,7 @@ def check_endpoints(run: Run, base: str) -> None:
     body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 32,
             "temperature": 0, "return_token_ids": True}
     r = http("POST", base + "/v1/completions", body, timeout=to)
-    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+    choice = first_choice(r)
     text, ids = choice.get("text"), choice.get("token_ids")
     run.check("endpoints", "completion", r.status == 200 and bool(text), status=r.status,
               text=text, token_ids=ids, message=error_message(r.body) if r.status != 200 else None)
@@ -743,7 +748,7 @@ def check_endpoints(run: Run, base: str) -> None:
     chat = {"model": SERVED_MODEL_NAME, "max_tokens": 32, "temperature": 0,
             "messages": [{"role": "user", "content": "Name three primary colors."}]}
     r = http("POST", base + "/v1/chat/completions", chat, timeout=to)
-    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+    choice = first_choice(r)
     c_text = (choice.get("message") or {}).get("content")
     run.check("endpoints", "chat", r.status == 200 and bool(c_text), status=r.status, text=c_text,
               message=error_message(r.body) if r.status != 200 else None)
@@ -839,8 +844,7 @@ def served_features(model: str) -> list[dict]:
     ]
 
 
-def _answer(r) -> str | None:
-    choice = (((r.json() or {}).get("choices")) or [{}])[0]
+def _answer(choice: dict) -> str | None:
     if "message" in choice:
         return (choice.get("message") or {}).get("content")
     return choice.get("text")
@@ -850,11 +854,11 @@ def check_features(run: Run, base: str) -> None:
     records = []
     for req in served_features(SERVED_MODEL_NAME):
         r = http("POST", base + req["path"], req["body"], timeout=run.args.request_timeout)
-        answer = _answer(r) if r.status == 200 else None
+        choice = first_choice(r) if r.status == 200 else {}
+        answer = _answer(choice)
         ok = r.status == 200 and answer is not None
         parsed = None
         if ok and req.get("logprobs"):
-            choice = (((r.json() or {}).get("choices")) or [{}])[0]
             top = ((choice.get("logprobs") or {}).get("top_logprobs")) or []
             ok = bool(top) and all(len(t) >= req["logprobs"] for t in top)
         if ok and req.get("json_field"):

@@ -71,8 +71,8 @@ without drafting is what no drafting step's time tells: the drafter's share), an
 next allowed budget above and below its choice (``probe_when_drafting``), so a
 pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
 changes nothing doubles the interval (from ``probe_interval_min`` = 32 up to
-``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it. So a workload change is noticed within about
-``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
+``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it. So
+a workload change is noticed within about ``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
 backed off probes take a probe's length per ``probe_interval_max`` steps (under 1 %
 at batch 8, ~6 % at batch 1, where a probe needs 64 steps for 64 requests).
 

@@ -20,8 +20,8 @@ Patch ``core_ddtree-online-budget`` adds three calls into vLLM:
 
 The worker does not recompute the budget: the scheduler's
 ``num_spec_tokens_to_schedule`` reaches it with each step
-(``DDTreeSpeculator.prepare_tree_verification``, ``TreeVerifier.prepare``), so with tensor parallelism every
-rank follows the one decision of the engine core.
+(``DDTreeSpeculator.prepare_tree_verification``, ``TreeVerifier.prepare``), so with
+tensor parallelism every rank follows the one decision of the engine core.
 
 The step-cost model the controller starts from is the target's forward measured at
 start-up (:func:`vllm_ddtree.cost_model.measure_target_forward_ms`, the same

@@ -80,7 +80,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_budget: int = spec.num_speculative_tokens
         self.tree_depth: int = spec.ddtree_max_depth
         self.tree_top_k: int = spec.ddtree_top_k
-        self.num_tree_nodes = self.tree_budget + 1
 
         # The drafter itself predicts `tree_depth` positions per pass.
         self.num_speculative_steps = self.tree_depth
@@ -107,7 +106,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.verifier = TreeVerifier(self.max_num_reqs, self.tree_budget, self.tree_depth,
                                      self.max_num_tokens, device, self.fused_kernels,
                                      self.profiler)
-        self._target_layer_name: str | None = None
         # Budget to draft for, by the batch size the drafter runs at (None: always the
         # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
@@ -224,7 +222,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         """vLLM's DFlash input kernel compiled for every block size a step can select
         (:mod:`vllm_ddtree.dflash_input_warmup`), once, after the first step that ran
         it (a drafting step, or a budget-0 step's context store): the buffers it writes
-        are rewritten by the next step before anything reads them. A failure only leaves those sizes to compile at first use."""
+        are rewritten by the next step before anything reads them. A failure only
+        leaves those sizes to compile at first use."""
         self._input_kernel_warm = True
         start = time.perf_counter()
         try:
@@ -279,7 +278,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             for group in groups:
                 names.extend(group.layer_names)
         self._target_layer_names = names
-        self._target_layer_name = names[0]
         # The caches are bound to the layers after set_attn; resolved on first use.
         self.verifier.set_kv_source(self._target_kv_caches)
 

@@ -9,6 +9,8 @@ every budget-0 step (bench/results/2026-12-01-budget-0-host-sync/).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -23,6 +25,17 @@ def _case(device):
     return valid, idx, torch.zeros((), dtype=torch.bool, device=device)
 
 
+@contextlib.contextmanager
+def _syncs_are_errors():
+    """torch raises on any call that synchronises the host with the GPU inside."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_clears_all_but_the_root_of_the_given_states_only():
     valid, idx, no_tree = _case("cpu")
     clear_trees_(valid, idx, no_tree)
@@ -34,12 +47,8 @@ def test_clears_all_but_the_root_of_the_given_states_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_never_synchronizes_the_host_with_the_gpu():
     valid, idx, no_tree = _case("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _syncs_are_errors():
         clear_trees_(valid, idx, no_tree)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     expect = torch.ones(6, 5, dtype=torch.bool, device="cuda")
     expect[[1, 2, 4], 1:] = False
     assert torch.equal(valid, expect)
@@ -49,10 +58,5 @@ def test_never_synchronizes_the_host_with_the_gpu():
 def test_the_sync_check_catches_a_host_scalar():
     """The check above can fail: the assignment with a Python scalar is caught."""
     valid, idx, _ = _case("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError, match="synchroniz"):
-            valid[idx, 1:] = False
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with _syncs_are_errors(), pytest.raises(RuntimeError, match="synchroniz"):
+        valid[idx, 1:] = False
