@@ -26,7 +26,8 @@
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
 #                                      # reference both use vLLM's batch-invariant kernels
 #   bash bench/gpu_session.sh cost     # the cost model's GPU timer test, then bench/run.py
-#                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS
+#                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS,
+#                                      # COST_REPEATS, COST_ENGINE_ROUNDS, COST_PROFILE=0
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh lossless # greedy and seeded T>0 equivalence, real pair, float32
@@ -194,9 +195,16 @@ case "$step" in
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/unit/test_cost_model_gpu.py \
       > "$OUT/gpu-cost-model-timer-tests.log" 2>&1
     echo "cost-model timer tests rc=$?"; tail -2 "$OUT/gpu-cost-model-timer-tests.log"
-    timeout 500 python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" --profile-dir "$OUT" \
-      ${COST_CONFIGS:+--configs $COST_CONFIGS} \
-      --time-budget-s "${BENCH_BUDGET_S:-440}" --engine-estimate-s 120 > "$OUT/bench-cost8b.log" 2>&1
+    # COST_PROFILE=0: no step profile (its events cost DDTree host time; goal runs);
+    # COST_REPEATS, COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
+    # shellcheck disable=SC2086  # lists of words
+    timeout "${COST_TIMEOUT_S:-500}" python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" \
+      $([ "${COST_PROFILE:-1}" = 0 ] || echo --profile-dir "$OUT") \
+      ${COST_CONFIGS:+--configs $COST_CONFIGS} ${COST_REPEATS:+--repeats $COST_REPEATS} \
+      ${COST_ENGINE_ROUNDS:+--engine-rounds $COST_ENGINE_ROUNDS} \
+      ${COST_MAX_TOKENS:+--max-tokens $COST_MAX_TOKENS} \
+      --time-budget-s "${BENCH_BUDGET_S:-440}" --engine-estimate-s "${COST_ENGINE_ESTIMATE_S:-120}" \
+      > "$OUT/bench-cost8b.log" 2>&1
     echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300
     ;;
   algos)
