@@ -147,7 +147,9 @@ FEATURE_CYCLE = (
     {},
     {"repetition_penalty": 1.3},
     {"frequency_penalty": 0.5, "presence_penalty": 0.5},
-    {"bad_words": [" the", " a", "\n"]},
+    # Words, not "\n": vLLM 0.26.0's SamplingParams.update_from_tokenizer strips each
+    # word (lstrip) and fails with IndexError on one that strips to nothing.
+    {"bad_words": [" the", " a", " and"]},
     {"structured_outputs": {"json": {"type": "object",
                                      "properties": {"answer": {"type": "string"}},
                                      "required": ["answer"]}}},
@@ -469,6 +471,9 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
             kw = dict(SAMPLING_MODES[mode])
             if kw.pop("min_tokens", None):
                 continue  # the recomputation would need the output length too
+            if mode == "seeded-features" and FEATURE_CYCLE[i % len(FEATURE_CYCLE)]:
+                continue  # penalties and grammars count the output, not a prompt
+            kw.pop("logprobs", None)  # the two tokens' logprobs are asked by id below
             seed = request_seed(mode, i)
             # The two tokens' logprobs by id: at T > 0 either may lie far outside a top-k.
             sp = SamplingParams(max_tokens=1, logprob_token_ids=[ref_token, out_token],
