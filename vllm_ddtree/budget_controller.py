@@ -63,7 +63,7 @@ list lookup (:meth:`BudgetController.budget_for`, :meth:`BudgetController.budget
 
 **Exploration.** A bucket that is off (budget 0) measures no acceptance, so it probes:
 after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at least
-``probe_steps`` (8) steps and ``probe_requests`` (64) tree-verifying requests, then
+``probe_steps`` (4) steps and ``probe_requests`` (64) tree-verifying requests, then
 decides with the new data. Drafting comes back on only on a measured lower bound (a
 budget accepts at least what a smaller one just measured), never on an extrapolation
 of a short probe. A bucket that drafts probes, in turn, budget 0 (what a step costs
@@ -71,10 +71,16 @@ without drafting is what no drafting step's time tells: the drafter's share), an
 next allowed budget above and below its choice (``probe_when_drafting``), so a
 pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
 changes nothing doubles the interval (from ``probe_interval_min`` = 32 up to
-``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it. So
-a workload change is noticed within about ``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and once
-backed off probes take a probe's length per ``probe_interval_max`` steps (under 1 %
-at batch 8, ~6 % at batch 1, where a probe needs 64 steps for 64 requests).
+``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it.
+Exploration is also priced (:meth:`BudgetController.probe_spacing`): a probe whose
+steps the estimates expect to take ``x`` times longer than the choice's for the same
+tokens waits ``x * (L + 2) / share`` of the bucket's steps from that budget's last
+probe (``L``: its length; ``share``: ``probe_cost_share`` = 1 % split between the
+bucket's candidates), so probing costs at most ~1 % of the time even where drafting
+costs most (a drafting step of an 8B-shaped target at batch 64 that accepts nothing
+takes ~3x a step without drafts), and a probe expected to pay is not delayed. So a
+workload change is noticed within about ``probe_interval_max`` + a probe +
+``refresh_steps`` of a bucket's steps.
 
 **Determinism.** No clocks, no random numbers, no iteration over hashed containers:
 the table is a function of the sequence of :class:`StepStats` fed to it and the
@@ -253,7 +259,8 @@ class _Cell:
 class _Bucket:
     __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
                  "choice", "since_switch", "since_probe", "probe_interval", "probing",
-                 "probe_done", "probe_requests", "probe_seen", "probe_turn", "dirty",
+                 "probe_done", "probe_requests", "probe_seen", "probe_turn", "probed_at",
+                 "dirty",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
                  "left_at")
 
@@ -271,6 +278,7 @@ class _Bucket:
         self.probing: int | None = None  # the budget being probed
         self.probe_done = self.probe_requests = self.probe_seen = 0
         self.probe_turn = 0  # while drafting: probe off, above, below in turn
+        self.probed_at: dict[int, int] = {}  # budget -> the bucket's step its last probe began
         self.dirty = False
         self.steps = self.switches = self.probes = 0
         self.estimate: dict | None = None
@@ -310,11 +318,12 @@ class BudgetController:
         margin: float = 0.05,
         min_hold_steps: int = 32,
         probe_budget: int = 4,
-        probe_steps: int = 8,
+        probe_steps: int = 6,
         probe_requests: int = 64,
         probe_interval_min: int = 32,
         probe_interval_max: int = 1024,
         probe_when_drafting: bool = True,
+        probe_cost_share: float = 0.01,
     ) -> None:
         if max_budget < 1 or max_depth < 1 or max_batch_size < 1:
             raise ValueError("max_budget, max_depth and max_batch_size must be >= 1")
@@ -333,6 +342,8 @@ class BudgetController:
             raise ValueError("need 1 <= probe_interval_min <= probe_interval_max")
         if margin < 0 or prior_weight <= 0:
             raise ValueError("need margin >= 0 and prior_weight > 0")
+        if not 0 < probe_cost_share <= 1:
+            raise ValueError(f"probe_cost_share must lie in (0, 1], got {probe_cost_share}")
         self.levels: list[int] = lv
         self._index = {b: i for i, b in enumerate(lv)}
         self.max_depth = int(max_depth)
@@ -359,6 +370,7 @@ class BudgetController:
         self.probe_when_drafting = bool(probe_when_drafting)
         self.probe_interval_min = int(probe_interval_min)
         self.probe_interval_max = int(probe_interval_max)
+        self.probe_cost_share = float(probe_cost_share)
         self._step = 0
         self.version = 0
         self._buckets: list[_Bucket] = []
@@ -503,10 +515,11 @@ class BudgetController:
         if bk.probing is not None:
             return False
         if bk.since_switch >= self.min_hold and bk.since_probe >= bk.probe_interval:
-            target = self._probe_target(bk)
+            target = self._probe_target(bk, est)
             if target is not None:
                 bk.probing, bk.probe_done, bk.probe_requests, bk.probe_seen = target, 0, 0, 0
                 bk.probes += 1
+                bk.probed_at[target] = bk.steps
                 return self._set(i, target)
         best = self._better(bk, est)
         if best is not None and bk.since_switch >= self.min_hold:
@@ -527,16 +540,17 @@ class BudgetController:
             return best
         return None
 
-    def _probe_target(self, bk: _Bucket) -> int | None:
-        """The budget to probe: ``probe_budget`` when off; while drafting, in turn,
-        budget 0 and the next allowed level above and below the choice (None: no
-        probe)."""
+    def _probe_candidates(self, bk: _Bucket) -> list[int]:
+        """What the bucket may probe, in the order of its turn: ``probe_budget`` when
+        off; while drafting, budget 0 and the next allowed level above and below the
+        choice."""
         allowed = [b for b, ok in zip(self.levels, self._allowed(bk)) if ok]
         if bk.choice == 0:
-            return self.probe_budget if self.probe_budget in allowed else (
+            first = self.probe_budget if self.probe_budget in allowed else (
                 min((b for b in allowed if b > 0), default=None))
+            return [] if first is None else [first]
         if not self.probe_when_drafting:
-            return None
+            return []
         up = [b for b in allowed if b > bk.choice]
         down = [b for b in allowed if 0 < b < bk.choice]
         # Off first: what a step costs without drafting is what a drafting step's
@@ -544,11 +558,57 @@ class BudgetController:
         # whether speculation pays at all.
         order = [0, min(up) if up else None, max(down) if down else None]
         k = bk.probe_turn % 3
-        bk.probe_turn += 1
-        for target in order[k:] + order[:k]:
-            if target is not None:
+        return [t for t in order[k:] + order[:k] if t is not None]
+
+    def _probe_target(self, bk: _Bucket, est: dict) -> int | None:
+        """The first candidate in turn whose own spacing (:meth:`probe_spacing`, from
+        that budget's last probe) has passed; None: no probe now. Each candidate
+        prices its probes with an equal part of ``probe_cost_share``, so a costly probe
+        (off while drafting pays) waits long without holding back cheap ones."""
+        cands = self._probe_candidates(bk)
+        for j, target in enumerate(cands):
+            since = bk.steps - bk.probed_at.get(target, 0)
+            if since >= self.probe_spacing(bk, target, est, len(cands)):
+                if bk.choice != 0:
+                    bk.probe_turn += j + 1
                 return target
         return None
+
+    def probe_length(self, bk: _Bucket, target: int) -> int:
+        """Steps a probe of ``target`` verifies it (the shortest probe that ends)."""
+        if target == 0:
+            return self.probe_steps
+        n = max(1, int(bk.batch_sum / bk.batch_w) if bk.batch_w > 0 else bk.lo)
+        return max(self.probe_steps, -(-self.probe_requests // n))
+
+    def probe_spacing(self, bk: _Bucket, target: int, est: dict, parts: int = 1) -> int:
+        """The bucket's steps from its last probe of ``target`` before it probes it
+        again: a probe whose steps take ``x`` times longer than the choice's for the
+        same tokens (the expected tokens/s: ``x = score(choice) / score(target) - 1``)
+        costs ``x * (L + 2)`` steps over its ``L`` steps plus the step between two
+        budgets at each end; spaced by that over its part of ``probe_cost_share``
+        (``parts`` candidates share it), exploration costs at most that share of the
+        time the estimates expect, and a probe they say would pay is not held back.
+        At most ``probe_interval_max``, so a change of workload is still noticed; 0
+        (the doubling interval alone) for a budget without a measurement in the slow
+        statistics, whose estimate is the prior's or the start-up model's."""
+        li = self._index[target]
+        now = self._step
+        measured = bk.cost[li].weights(now, self.half_life, self.shape_half_life)[1]
+        if target > 0:
+            measured = min(measured, bk.acc[li].weights(now, self.half_life,
+                                                        self.shape_half_life)[1])
+        if measured < MIN_WEIGHT:
+            return 0  # never measured (or long ago): the estimate has nothing to price
+        scores = est["scores"]
+        cur, new = scores[self._index[bk.choice]], scores[li]
+        if not new > 0:
+            return self.probe_interval_max
+        # The time a probe step takes beyond a step of the choice for the same tokens.
+        extra = max(0.0, cur / new - 1.0)
+        share = self.probe_cost_share / max(1, parts)
+        steps = extra * (self.probe_length(bk, target) + 2) / share
+        return min(self.probe_interval_max, math.ceil(steps))
 
     def _end_probe(self, i: int) -> bool:
         """A probe's data is in: switch if the bucket's best now beats its choice by
@@ -586,11 +646,16 @@ class BudgetController:
 
     # -------------------------------------------------------------- estimating
 
-    def _infer(self, cells: list[_Cell], prior: list[float],
-               monotone: bool = False) -> tuple[list[float], list[float]] | None:
+    def _infer(self, cells: list[_Cell], prior: list[float], monotone: bool = False,
+               first_alone: bool = False) -> tuple[list[float], list[float]] | None:
         """Per-level values (and weights) from a bucket's cells: each level's fast mean
         shrunk toward what the other recently measured levels imply (their fast mean
-        times the slow ratio, or the prior's); None without any data."""
+        times the slow ratio, or the prior's); None without any data. A level without
+        slow statistics borrows the slow ratio of the nearest level that has them
+        (times the prior's ratio between the two); ``first_alone``: the first level
+        (budget 0 of the cost cells, a step without a drafter) lends to and borrows
+        from no other, so budgets never measured do not look as cheap as no drafting
+        where the start-up model leaves the drafter out."""
         now = self._step
         fw, sw = zip(*(c.weights(now, self.half_life, self.shape_half_life) for c in cells))
         fm = [c.fast_mean() for c in cells]
@@ -601,7 +666,24 @@ class BudgetController:
         if not anchors:
             return None
 
+        def proxy(i: int) -> int | None:
+            """The nearest level with slow statistics (the smaller on a tie)."""
+            if sw[i] >= MIN_WEIGHT:
+                return i
+            for dist in range(1, len(cells)):
+                for m in (i - dist, i + dist):
+                    if 0 <= m < len(cells) and sw[m] >= MIN_WEIGHT and not (
+                            first_alone and (m == 0) != (i == 0)):
+                        return m
+            return None
+
         def ratio(i: int, j: int) -> float:
+            p = proxy(i)
+            if p is not None and p != i and p != j:
+                # i's shape from its nearest measured neighbour p: E(i)/E(j) =
+                # E(p)/E(j) * prior(i)/prior(p).
+                lift = prior[i] / prior[p] if prior[p] > 0 else 1.0
+                return ratio(p, j) * lift
             base = prior[i] / prior[j] if prior[j] > 0 else 1.0
             if sw[i] >= MIN_WEIGHT and sw[j] >= MIN_WEIGHT and sm[j] > 0:
                 # Slow means of two budgets may come from different periods (one
@@ -669,7 +751,8 @@ class BudgetController:
                        for v, b in zip(isotonic_non_decreasing(acc_v, acc_w), lv[1:])]
         # Step time: the start-up model times a correction.
         model = [float(self.startup_cost(n_int, b)) for b in lv]
-        found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv)))
+        found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv),
+                                                       first_alone=True))
         corr, corr_w = found if found is not None else ([1.0] * len(lv),
                                                         [self.prior_weight] * len(lv))
         step_ms = isotonic_non_decreasing([m * c for m, c in zip(model, corr)], corr_w)
