@@ -2,7 +2,9 @@
 # Apply the DDTree patch series (patches/series) to vLLM, strictly and reversibly.
 #
 #   ./apply.sh                 set up .venv (pinned vLLM + test tools + vllm_ddtree) and
-#                              apply the series to it; reuses an existing .venv
+#                              apply the series to it; reuses an existing .venv. The
+#                              default pin is UPSTREAM's; DDTREE_VLLM=V (or --pin V) sets
+#                              up another pin listed in UPSTREAM's PINS=
 #   ./apply.sh --site DIR      apply to an installed vLLM at DIR/vllm (site-packages,
 #                              dist-packages, /opt/vllm-site) and copy vllm_ddtree/ to DIR
 #   ./apply.sh --source DIR    apply to a vLLM git checkout at the pinned commit (patches
@@ -11,7 +13,9 @@
 #   --check        dry run: say what would happen, change nothing (exit 1 if it would fail)
 #   --revert       restore the original files byte for byte, remove created files, the
 #                  package copy and the manifest
-#   --patches DIR  patch directory (default: patches/ beside this script)
+#   --pin V        the pin whose series to apply (default: with --site, the pin of the
+#                  vLLM found there; otherwise $DDTREE_VLLM, else UPSTREAM's VLLM_VERSION)
+#   --patches DIR  patch directory (default: the pin's, patches/ for UPSTREAM's pin)
 #   --no-package   with --site: do not copy vllm_ddtree/ (it is pip-installed there)
 #   --upstream F   pin file (default: UPSTREAM beside this script; for tests)
 #
@@ -30,6 +34,8 @@ DRY=0
 COPY_PACKAGE=1
 PATCHES=$REPO/patches
 UPSTREAM_FILE=$REPO/UPSTREAM
+PIN=${DDTREE_VLLM:-}
+EXPLICIT_SERIES=0  # --patches/--upstream given: that series and pin file, no choice
 PKG_SRC=$REPO/vllm_ddtree
 MANIFEST_PY=$PKG_SRC/manifest.py
 
@@ -44,8 +50,9 @@ while [[ $# -gt 0 ]]; do
       MODE=${1#--}; TARGET=$2; shift 2 ;;
     --check) DRY=1; shift ;;
     --revert) ACTION=revert; shift ;;
-    --patches) [[ $# -ge 2 ]] || die "--patches needs a directory"; PATCHES=$2; shift 2 ;;
-    --upstream) [[ $# -ge 2 ]] || die "--upstream needs a file"; UPSTREAM_FILE=$2; shift 2 ;;
+    --patches) [[ $# -ge 2 ]] || die "--patches needs a directory"; PATCHES=$2; EXPLICIT_SERIES=1; shift 2 ;;
+    --upstream) [[ $# -ge 2 ]] || die "--upstream needs a file"; UPSTREAM_FILE=$2; EXPLICIT_SERIES=1; shift 2 ;;
+    --pin) [[ $# -ge 2 ]] || die "--pin needs a vLLM version"; PIN=$2; shift 2 ;;
     --no-package) COPY_PACKAGE=0; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see ./apply.sh --help)" ;;
@@ -71,11 +78,33 @@ pin() {  # pin KEY: value of KEY=VALUE in UPSTREAM
   printf '%s\n' "$v"
 }
 
-[[ -f $UPSTREAM_FILE ]] || die "pin file $UPSTREAM_FILE not found"
-[[ -d $PATCHES ]] || die "patch directory $PATCHES not found"
-PATCHES=$(cd "$PATCHES" && pwd)
-VLLM_VERSION=$(pin VLLM_VERSION)
-VLLM_COMMIT=$(pin VLLM_COMMIT)
+# select_pin VERSION: the pin file and series of the pin serving vLLM VERSION
+# (manifest.pin_for; the error names every supported pin).
+PINNED_SERIES=0
+select_pin() {
+  local out
+  out=$(manifest pin-for "$REPO" "$1" 2>&1) || die "${out#error: }"
+  mapfile -t out <<<"$out"
+  UPSTREAM_FILE=${out[1]}
+  PATCHES=${out[2]}
+  PINNED_SERIES=1
+}
+load_pin() {
+  [[ -f $UPSTREAM_FILE ]] || die "pin file $UPSTREAM_FILE not found"
+  [[ -d $PATCHES ]] || die "patch directory $PATCHES not found"
+  PATCHES=$(cd "$PATCHES" && pwd)
+  VLLM_VERSION=$(pin VLLM_VERSION)
+  VLLM_COMMIT=$(pin VLLM_COMMIT)
+}
+if [[ $EXPLICIT_SERIES == 1 ]]; then
+  [[ -n $PIN && -n ${DDTREE_VLLM:-} && $PIN == "$DDTREE_VLLM" ]] && PIN=
+  [[ -z $PIN ]] || die "--pin cannot be combined with --patches/--upstream"
+elif [[ -n $PIN ]]; then
+  select_pin "$PIN"
+elif [[ $MODE != site ]]; then
+  PINNED_SERIES=1  # UPSTREAM's pin and patches/
+fi
+load_pin
 
 # --- set-up of the project venv (no --site/--source) --------------------------------
 VENV=$REPO/.venv
@@ -232,6 +261,13 @@ if [[ $MODE == source && -e $TARGET/.git ]]; then
     || die "$TARGET is at commit ${head:0:12}, but the series is pinned to vLLM $VLLM_VERSION (commit $VLLM_COMMIT); check out the pinned commit"
   found=$VLLM_VERSION
 else
+  if [[ $MODE == site && $EXPLICIT_SERIES == 0 && -z $PIN ]]; then
+    # No pin asked for: the series of the vLLM found here.
+    found=$(manifest vllm-version "$VLLM_DIR") \
+      || die "cannot tell the vLLM version of $VLLM_DIR (no _version.py/version.py); the series supports vLLM $(manifest pins "$REPO" | paste -sd ' ' | sed 's/ / and /g')"
+    select_pin "$found"
+    load_pin
+  fi
   found=$(manifest vllm-version "$VLLM_DIR") \
     || die "cannot tell the vLLM version of $VLLM_DIR (no _version.py/version.py); the series needs vLLM $VLLM_VERSION"
   manifest version-matches "$found" "$VLLM_VERSION" \
@@ -353,6 +389,7 @@ if [[ $COPY_PACKAGE == 1 ]]; then
   copy_package
   pkg_args=(--package-copy)
 fi
+[[ $PINNED_SERIES == 1 ]] && pkg_args+=(--pin "$VLLM_VERSION")
 manifest write "$TARGET" --patches "$PATCHES" --vllm-version "$found" \
   --package-dir "$PKG_SRC" --files "$changes" "${pkg_args[@]}"
 trap 'rm -rf "$STAGE"' EXIT

@@ -20,6 +20,12 @@ Manifest (JSON object):
                        so a later run can tell whether someone changed them since
   package_copy         "vllm_ddtree" when apply.sh copied the package into the site,
                        else null
+  pin                  the pinned vLLM release whose series was applied (one of
+                       supported_pins()), or null for a series given by directory
+
+Pins: ``UPSTREAM`` is the default pin's file and ``patches/`` its series; each other
+release ``V`` listed in UPSTREAM's ``PINS=`` has its pin file and series in
+``patches/vllm-V/`` (``patches/vllm-V/UPSTREAM``, ``patches/vllm-V/series``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any
 MANIFEST_NAME = "ddtree_series.json"
 ORIG_DIR_NAME = ".ddtree_orig"
 SERIES_FILE = "series"
+PIN_FILE = "UPSTREAM"
+PIN_DIR_PREFIX = "vllm-"
 
 _VERSION_RE = re.compile(
     r"""^\s*__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.MULTILINE
@@ -108,6 +116,48 @@ def version_matches(found: str, pinned: str) -> bool:
     return found == pinned or found.split("+", 1)[0] == pinned
 
 
+def read_pin_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a pin file (``#`` comments and blank lines skipped)."""
+    pins: dict[str, str] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            pins[key.strip()] = value.strip()
+    return pins
+
+
+def supported_pins(repo: str | os.PathLike[str]) -> dict[str, tuple[Path, Path]]:
+    """``{vLLM version: (pin file, patch dir)}``, the default pin (UPSTREAM) first."""
+    repo = Path(repo)
+    default = repo / PIN_FILE
+    if not default.is_file():
+        raise SeriesError(f"{default}: pin file not found")
+    pins = read_pin_file(default)
+    version = pins.get("VLLM_VERSION")
+    if not version:
+        raise SeriesError(f"{default} has no VLLM_VERSION=")
+    out = {version: (default, repo / "patches")}
+    for other in pins.get("PINS", "").split():
+        if other not in out:
+            pin_dir = repo / "patches" / f"{PIN_DIR_PREFIX}{other}"
+            out[other] = (pin_dir / PIN_FILE, pin_dir)
+    return out
+
+
+def pin_for(repo: str | os.PathLike[str], version: str) -> tuple[str, Path, Path]:
+    """``(pinned version, pin file, patch dir)`` of the pin serving vLLM ``version`` (a
+    release or a local build of one); SeriesError naming every supported pin if none."""
+    pins = supported_pins(repo)
+    for pinned, (pin_file, patch_dir) in pins.items():
+        if version_matches(version, pinned):
+            if not pin_file.is_file():
+                raise SeriesError(f"{pin_file}: pin file of vLLM {pinned} not found")
+            return pinned, pin_file, patch_dir
+    raise SeriesError(f"no series for vLLM {version}: the supported pins are "
+                      + " and ".join(pins))
+
+
 def file_sha256(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -153,6 +203,7 @@ def describe(manifest: dict[str, Any] | None) -> str:
         f"DDTree patch series {manifest['series_sha256'][:12]} applied to vLLM "
         f"{manifest.get('vllm_version')}: {len(patches)} patch(es)"
         + (f" ({', '.join(patches)})" if patches else "")
+        + (f", series of pin {manifest['pin']}" if manifest.get("pin") else "")
         + f", vllm_ddtree {manifest.get('vllm_ddtree_version')}"
     )
 
@@ -189,6 +240,7 @@ def write_manifest(
     created: list[str],
     deleted: list[str],
     package_copy: bool,
+    pin: str | None = None,
 ) -> dict[str, Any]:
     """Write ``site/vllm/ddtree_series.json`` atomically and return its content."""
     site = Path(site)
@@ -202,6 +254,7 @@ def write_manifest(
         "deleted": sorted(deleted),
         "patched_sha256": {p: file_sha256(site / p) for p in sorted(modified + created)},
         "package_copy": "vllm_ddtree" if package_copy else None,
+        "pin": pin,
     }
     out = site / "vllm" / MANIFEST_NAME
     tmp = out.with_name(out.name + ".tmp")
@@ -252,6 +305,12 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--package-copy", action="store_true")
     p.add_argument("--files", required=True,
                    help="file of 'M|A|D<TAB>path' lines (git diff --name-status)")
+    p.add_argument("--pin", help="the pinned vLLM release whose series this is")
+    p = sub.add_parser("pins", help="print the supported vLLM pins of REPO, default first")
+    p.add_argument("repo")
+    p = sub.add_parser("pin-for", help="print VERSION's pin: version, pin file, patch dir")
+    p.add_argument("repo")
+    p.add_argument("version")
     p = sub.add_parser("show", help="describe the manifest of the importable vllm")
     a = ap.parse_args(argv)
 
@@ -289,7 +348,13 @@ def _main(argv: list[str]) -> int:
                     kind, path = line.split("\t", 1)
                     kinds[kind[0]].append(path)
             write_manifest(a.site, a.patches, a.vllm_version, a.package_dir,
-                           kinds["M"], kinds["A"], kinds["D"], a.package_copy)
+                           kinds["M"], kinds["A"], kinds["D"], a.package_copy, a.pin)
+        elif a.cmd == "pins":
+            for version in supported_pins(a.repo):
+                print(version)
+        elif a.cmd == "pin-for":
+            for item in pin_for(a.repo, a.version):
+                print(item)
         elif a.cmd == "show":
             print(describe(load_manifest()))
     except (SeriesError, OSError, ValueError) as e:
