@@ -10,6 +10,8 @@
 # 3. Adds those as labels (series sha256, vllm_ddtree version, patch count) with a
 #    one-line `FROM` build on top; no layer is added.
 #
+# DDTREE_VLLM=V builds the image of pin V (one of UPSTREAM's PINS=): FROM its
+# BASE_IMAGE, its series chosen by apply.sh from the image's vLLM.
 # DOCKER names the docker client to use (default: docker).
 set -euo pipefail
 
@@ -22,10 +24,15 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 docker=${DOCKER:-docker}
 
+pin_file=UPSTREAM
+if [[ -n ${DDTREE_VLLM:-} && $DDTREE_VLLM != "$(sed -n 's/^VLLM_VERSION=//p' UPSTREAM | tail -n 1)" ]]; then
+    pin_file=patches/vllm-$DDTREE_VLLM/UPSTREAM
+    [[ -f $pin_file ]] || die "no pin file $pin_file: DDTREE_VLLM must be one of UPSTREAM's PINS= ($(sed -n 's/^PINS=//p' UPSTREAM))"
+fi
 upstream_value() {
     local value
-    value=$(sed -n "s/^$1=//p" UPSTREAM | tail -n 1)
-    [[ -n $value ]] || die "UPSTREAM has no $1= line"
+    value=$(sed -n "s/^$1=//p" "$pin_file" | tail -n 1)
+    [[ -n $value ]] || die "$pin_file has no $1= line"
     printf '%s' "$value"
 }
 base_image=$(upstream_value BASE_IMAGE)
