@@ -22,9 +22,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PATCHES = REPO / "patches"
-PINS = dict(line.split("=", 1) for line in (REPO / "UPSTREAM").read_text().splitlines()
-            if line.strip() and not line.startswith("#") and "=" in line)
 
 
 def _manifest_module():
@@ -36,6 +33,20 @@ def _manifest_module():
 
 
 manifest = _manifest_module()
+
+
+def _installed_pin() -> tuple[Path, Path]:
+    """(pin file, patch dir) of the pin the test environment's vLLM belongs to; the
+    default pin when vLLM is missing or none of the pins."""
+    try:
+        _, pin_file, patch_dir = manifest.pin_for(REPO, importlib.metadata.version("vllm"))
+        return pin_file, patch_dir
+    except (importlib.metadata.PackageNotFoundError, manifest.SeriesError):
+        return REPO / "UPSTREAM", REPO / "patches"
+
+
+PIN_FILE, PATCHES = _installed_pin()
+PINS = manifest.read_pin_file(PIN_FILE)
 
 
 def _tool_module():
@@ -159,7 +170,8 @@ def test_real_series_reexports_byte_for_byte(pristine_site, tmp_path):
     """CI's drift check: import the series onto the pristine files and export it again."""
     patches = tmp_path / "patches"
     shutil.copytree(PATCHES, patches)
-    tool = [str(REPO / "tools" / "series"), "--patches", str(patches)]
+    tool = [str(REPO / "tools" / "series"), "--patches", str(patches),
+            "--upstream", str(PIN_FILE)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     r = subprocess.run(tool + ["import", "--dir", str(tmp_path / "work"), "--from-site",
                                str(pristine_site)], capture_output=True, text=True, env=env)
@@ -167,10 +179,11 @@ def test_real_series_reexports_byte_for_byte(pristine_site, tmp_path):
     r = subprocess.run(tool + ["export", "--dir", str(tmp_path / "work")],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    for p in sorted(PATCHES.iterdir()):
+    files = sorted(p for p in PATCHES.iterdir() if p.is_file())
+    for p in files:
         assert (patches / p.name).read_bytes() == p.read_bytes(), (
             f"{p.name} changes when re-exported; run tools/series import && tools/series export")
-    assert sorted(x.name for x in patches.iterdir()) == sorted(x.name for x in PATCHES.iterdir())
+    assert sorted(x.name for x in patches.iterdir() if x.is_file()) == [p.name for p in files]
 
 
 def test_installed_vllm_carries_this_series():
