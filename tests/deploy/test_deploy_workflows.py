@@ -43,8 +43,11 @@ def test_one_copy_of_each_workflow():
 
 def test_cpu_workflow_runs_the_layered_checks_in_order():
     commands = [s["run"] for s in steps("cpu.yml") if "run" in s]
-    assert commands == ["tools/series lint", "./apply.sh --check", "./apply.sh", "tools/setup-lint-venv.sh",
-                        ".venv/bin/python -m pytest -q"]
+    other_pins = step("cpu.yml", "Series lint and apply check of the other pins")["run"]
+    assert commands == ["tools/series lint", "./apply.sh --check", other_pins, "./apply.sh",
+                        "tools/setup-lint-venv.sh", ".venv/bin/python -m pytest -q"]
+    assert 'tools/series --pin "$pin" lint' in other_pins
+    assert 'tools/series --pin "$pin" check' in other_pins
     assert workflow("cpu.yml")["env"]["CI"] == "true"
 
 
