@@ -95,13 +95,13 @@ def summarise(cells: dict) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
+    lines = ["| suite | set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
              "DDTree / plain | tau chain / DDTree | spread plain / chain / DDTree |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         lines.append(
-            f"| {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
+            f"| {c.get('suite', '')} | {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
             f"{tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
