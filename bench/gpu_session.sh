@@ -24,7 +24,9 @@
 #                                      # GOALS_MODE=steady: constant concurrency)
 #   bash bench/gpu_session.sh serve    # bench/serve_e2e.py (OpenAI server end to end); with
 #                                      # VLLM_BATCH_INVARIANT=1 the server and the offline
-#                                      # reference both use vLLM's batch-invariant kernels
+#                                      # reference both use vLLM's batch-invariant kernels;
+#                                      # SERVE_STRICT=1: any token difference fails (with
+#                                      # SERVE_DTYPE=float32)
 #   bash bench/gpu_session.sh cost     # the cost model's GPU timer test, then bench/run.py
 #                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS,
 #                                      # COST_REPEATS, COST_ENGINE_ROUNDS, COST_PROFILE=0
@@ -185,7 +187,7 @@ case "$step" in
   serve)
     prepare
     timeout 500 python3 bench/serve_e2e.py --target "$TARGET" --drafter "$DRAFTER" \
-      --dtype "${SERVE_DTYPE:-auto}" \
+      --dtype "${SERVE_DTYPE:-auto}" ${SERVE_STRICT:+--strict-greedy} \
       --out "$OUT/serve-e2e.json" --log-dir "$OUT" --time-budget 460 > "$OUT/serve-e2e.log" 2>&1
     echo "serve rc=$?"; tail -40 "$OUT/serve-e2e.log" | cut -c1-300
     ;;

@@ -20,8 +20,11 @@ process this script started and writes what it has if the budget is overrun):
 4. ``bad_requests``: what DDTree refuses per request (prompt logprobs) and plain bad
    requests get a 4xx with a message; the server stays healthy.
    ``features``: what DDTree serves (logprobs; penalties, bad words and a JSON schema,
-   without drafts) gets a 200 with the logprobs asked for, the schema's answer parses
-   as JSON with its required field.
+   without drafts), each at T=0 and at T=1 with a seed, streamed and not, sent at once:
+   a 200 with the logprobs asked for, the schema's answers parse as JSON with its
+   required field (and the chat route's ``response_format``). Phase 6 replays them
+   without speculation (``features_vs_no_spec``: tokens and logprobs; a failure only
+   with ``--strict-greedy``).
 5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
@@ -835,28 +838,50 @@ def check_bad_requests(run: Run, base: str) -> None:
               message=error_message(r.body) if r.status != 200 else None)
 
 
-def served_features(model: str) -> list[dict]:
-    """Requests DDTree serves (logprobs on trees; penalties, bad words, a JSON schema
-    without drafts): each must get a 200; ``json_field``: the answer's content must parse
-    as a JSON object with that field; ``logprobs``: every token has that many top
-    logprobs."""
-    base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0}
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    return [
-        {"name": "logprobs", "path": "/v1/completions", "body": dict(base, logprobs=2),
-         "logprobs": 2},
-        {"name": "presence_penalty", "path": "/v1/completions",
-         "body": dict(base, presence_penalty=0.5)},
-        {"name": "repetition_frequency_penalties", "path": "/v1/completions",
-         "body": dict(base, repetition_penalty=1.2, frequency_penalty=0.3)},
-        {"name": "bad_words", "path": "/v1/completions", "body": dict(base, bad_words=[" the"])},
-        {"name": "structured_output_json_schema", "path": "/v1/chat/completions",
-         "body": {"model": model, "max_tokens": 64, "temperature": 0,
-                  "messages": [{"role": "user", "content": "Give me a name as JSON."}],
-                  "response_format": {"type": "json_schema",
-                                      "json_schema": {"name": "person", "schema": schema}}},
-         "json_field": "name"},
-    ]
+# Request settings DDTree serves (logprobs on trees; penalties, bad words and grammars
+# decoded without drafts), each sent at T=0 and at T=1 with a seed, streamed and not, all
+# at once so that they share batches with ordinary requests; then compared token for
+# token (and logprob for logprob) with decoding without speculation offline.
+FEATURE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}},
+                  "required": ["name"]}
+FEATURE_SETTINGS = (
+    ("ordinary", {}),
+    ("logprobs", {"logprobs": 2}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("repetition_frequency_penalties", {"repetition_penalty": 1.2, "frequency_penalty": 0.3}),
+    ("bad_words", {"bad_words": [" the"]}),
+    ("structured_output_json", {"structured_outputs": {"json": FEATURE_SCHEMA}}),
+)
+FEATURE_MAX_TOKENS = 24
+# The request fields the offline reference passes to SamplingParams as they are.
+FEATURE_SAMPLING_FIELDS = ("temperature", "seed", "max_tokens", "ignore_eos", "logprobs",
+                           "presence_penalty", "repetition_penalty", "frequency_penalty",
+                           "bad_words", "structured_outputs")
+
+
+def feature_requests(model: str) -> list[dict]:
+    """One completion per (setting, temperature, streamed or not): ``logprobs`` asks
+    that many top logprobs per token, ``json_field``: the answer must parse as a JSON
+    object with that field. Prompts cycle through the built-in ones."""
+    prompts = builtin_prompts()
+    out = []
+    for name, extra in FEATURE_SETTINGS:
+        for temp in (0.0, 1.0):
+            for stream in (False, True):
+                i = len(out)
+                body = {"model": model, "prompt": prompts[i % len(prompts)],
+                        "max_tokens": FEATURE_MAX_TOKENS, "temperature": temp,
+                        "return_token_ids": True, **extra}
+                if temp:
+                    body["seed"] = 1000 + i
+                if "structured_outputs" not in extra:
+                    body["ignore_eos"] = True  # the grammar ends the others
+                if stream:
+                    body.update(stream=True, stream_options={"include_usage": True})
+                out.append({"name": name, "temperature": temp, "stream": stream, "body": body,
+                            "logprobs": extra.get("logprobs"),
+                            "json_field": "name" if "structured_outputs" in extra else None})
+    return out
 
 
 def _answer(choice: dict) -> str | None:
@@ -865,27 +890,139 @@ def _answer(choice: dict) -> str | None:
     return choice.get("text")
 
 
+def _feature_record(req: dict, status: int, body: str, events: list | None) -> dict:
+    """What one feature request answered: text, token ids, the emitted tokens' logprobs
+    and top-logprob counts (streamed answers reassembled from their chunks)."""
+    rec = {"name": req["name"], "temperature": req["temperature"], "stream": req["stream"],
+           "status": status, "text": None, "token_ids": None, "prompt_token_ids": None,
+           "token_logprobs": None, "top_counts": None,
+           "message": error_message(body) if status != 200 else None}
+    if status != 200:
+        return rec
+    if events is None:
+        try:
+            choices = (json.loads(body) or {}).get("choices") or [{}]
+        except ValueError:
+            choices = [{}]
+    else:
+        choices = [c for e in events if isinstance(e, dict) for c in (e.get("choices") or [])]
+    text, ids, prompt_ids, lps, tops = [], [], None, [], []
+    for c in choices:
+        text.append(c.get("text") or "")
+        ids += c.get("token_ids") or []
+        prompt_ids = prompt_ids or c.get("prompt_token_ids")
+        lp = c.get("logprobs") or {}
+        lps += lp.get("token_logprobs") or []
+        tops += [len(t or {}) for t in lp.get("top_logprobs") or []]
+    rec.update(text="".join(text), token_ids=ids, prompt_token_ids=prompt_ids,
+               token_logprobs=lps if req["logprobs"] else None,
+               top_counts=tops if req["logprobs"] else None)
+    return rec
+
+
+async def _send_features(base: str, reqs: list[dict], timeout_s: float) -> list[dict]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def one(session, req: dict) -> dict:
+        try:
+            async with session.post(base + "/v1/completions", json=req["body"],
+                                    timeout=timeout) as resp:
+                if not req["stream"] or resp.status != 200:
+                    return _feature_record(req, resp.status, await resp.text(), None)
+                parser, events = SSEParser(), []
+                async for chunk in resp.content.iter_any():
+                    events += parser.feed(chunk)
+                    if parser.done:
+                        break
+                events += parser.close()
+                return _feature_record(req, resp.status, "", events)
+        except Exception as exc:  # noqa: BLE001 - a failed request is a failed check
+            return dict(_feature_record(req, 599, "", None), message=repr(exc))
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, r) for r in reqs)))
+
+
 def check_features(run: Run, base: str) -> None:
-    records = []
-    for req in served_features(SERVED_MODEL_NAME):
-        r = http("POST", base + req["path"], req["body"], timeout=run.args.request_timeout)
-        choice = first_choice(r) if r.status == 200 else {}
-        answer = _answer(choice)
-        ok = r.status == 200 and answer is not None
-        parsed = None
-        if ok and req.get("logprobs"):
-            top = ((choice.get("logprobs") or {}).get("top_logprobs")) or []
-            ok = bool(top) and all(len(t) >= req["logprobs"] for t in top)
-        if ok and req.get("json_field"):
+    reqs = feature_requests(SERVED_MODEL_NAME)
+    records = asyncio.run(_send_features(base, reqs, run.args.request_timeout))
+    for req, rec in zip(reqs, records):
+        ok = rec["status"] == 200 and bool(rec["token_ids"])
+        if ok and req["logprobs"]:
+            counts = rec["top_counts"] or []
+            ok = (len(counts) == len(rec["token_ids"]) == len(rec["token_logprobs"] or [])
+                  and all(n >= req["logprobs"] for n in counts))
+        if ok and req["json_field"]:
             try:
-                parsed = json.loads(answer)
+                parsed = json.loads(rec["text"])
             except ValueError:
                 parsed = None
             ok = isinstance(parsed, dict) and req["json_field"] in parsed
-        records.append({"name": req["name"], "status": r.status, "answer": answer,
-                        "message": error_message(r.body) if r.status != 200 else None})
-        run.check("features", req["name"], ok, status=r.status, answer=answer)
+        tag = f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}"
+        rec["check"] = tag
+        run.check("features", tag, ok, status=rec["status"], answer=rec["text"],
+                  message=rec["message"])
+    # The chat route of structured outputs: response_format json_schema.
+    chat = {"model": SERVED_MODEL_NAME, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "Give me a name as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "person", "schema": FEATURE_SCHEMA}}}
+    r = http("POST", base + "/v1/chat/completions", chat, timeout=run.args.request_timeout)
+    answer = _answer(first_choice(r)) if r.status == 200 else None
+    try:
+        parsed = json.loads(answer) if answer else None
+    except ValueError:
+        parsed = None
+    run.check("features", "chat_response_format_json_schema",
+              r.status == 200 and isinstance(parsed, dict) and "name" in parsed,
+              status=r.status, answer=answer,
+              message=error_message(r.body) if r.status != 200 else None)
     run.result["features"] = records
+
+
+def feature_reference_requests(records: list[dict]) -> list[dict]:
+    """The answered feature requests as the offline reference replays them: the server's
+    prompt token ids and the request's sampling fields."""
+    by_tag = {f"{q['name']}_T{q['temperature']:g}_{'stream' if q['stream'] else 'nonstream'}": q
+              for q in feature_requests(SERVED_MODEL_NAME)}
+    out = []
+    for rec in records:
+        if rec.get("status") != 200 or not rec.get("prompt_token_ids"):
+            continue
+        body = by_tag[rec["check"]]["body"]
+        out.append({"check": rec["check"], "prompt_token_ids": rec["prompt_token_ids"],
+                    "params": {k: body[k] for k in FEATURE_SAMPLING_FIELDS if k in body}})
+    return out
+
+
+def compare_features(records: list[dict], reference: list[dict]) -> dict:
+    """Server against offline, per feature request: identical token ids, and for the
+    logprobs requests the largest |logprob difference| over the identical prefix."""
+    answered = {r["check"]: r for r in records if r.get("status") == 200}
+    rows, worst = [], 0.0
+    for ref in reference:
+        got = answered.get(ref["check"])
+        if got is None:
+            continue
+        same = got["token_ids"] == ref["token_ids"]
+        row = {"check": ref["check"], "identical": same}
+        if not same:
+            n = next((i for i, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"]))
+                      if a != b), min(len(got["token_ids"]), len(ref["token_ids"])))
+            row["first_difference"] = n
+        if got.get("token_logprobs") is not None and ref.get("logprobs") is not None:
+            diffs = [abs(a - b) for (ta, tb, a, b) in zip(got["token_ids"], ref["token_ids"],
+                                                          got["token_logprobs"], ref["logprobs"])
+                     if ta == tb and a is not None and b is not None]
+            # Over the identical prefix only.
+            k = row.get("first_difference", len(diffs))
+            row["max_logprob_abs_diff"] = round(max(diffs[:k], default=0.0), 6)
+            worst = max(worst, row["max_logprob_abs_diff"])
+        rows.append(row)
+    return {"identical": sum(r["identical"] for r in rows), "total": len(rows),
+            "max_logprob_abs_diff": round(worst, 6), "requests": rows}
 
 
 async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int,
@@ -1005,6 +1142,27 @@ def offline_worker(spec_path: str, out_path: str) -> int:
     result = {"init_s": round(init_s, 1), "generate_s": round(time.monotonic() - t1, 2),
               "token_ids": [list(o.outputs[0].token_ids) for o in outs],
               "texts": [o.outputs[0].text for o in outs]}
+    if spec.get("requests"):
+        # The feature requests, all in one batch, each with its own sampling fields.
+        from vllm.sampling_params import StructuredOutputsParams
+
+        def params(fields: dict) -> SamplingParams:
+            fields = dict(fields)
+            if "structured_outputs" in fields:
+                fields["structured_outputs"] = StructuredOutputsParams(
+                    **fields["structured_outputs"])
+            return SamplingParams(**fields)
+
+        reqs = spec["requests"]
+        outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs],
+                            [params(r["params"]) for r in reqs], use_tqdm=False)
+        result["requests"] = []
+        for r, o in zip(reqs, outs):
+            c = o.outputs[0]
+            lps = ([float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]
+                   if r["params"].get("logprobs") and c.logprobs else None)
+            result["requests"].append({"check": r["check"], "token_ids": list(c.token_ids),
+                                       "logprobs": lps})
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
@@ -1041,6 +1199,8 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
             "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
             "dtype": args.dtype, "attention_backend": args.reference_attention_backend,
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
+    if reference == "no-spec":
+        spec["requests"] = feature_reference_requests(run.result.get("features") or [])
     if reference == "same-config":
         # The server's speculative config; DDTree picks its attention backend itself.
         spec["speculative_config"] = run.result["server"]["speculative_config"]
@@ -1088,6 +1248,15 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
     run.result[key] = info
     print(f"greedy vs offline {reference}: {cmp['identical']}/{cmp['total']} identical "
           "token sequences", flush=True)
+    if spec.get("requests"):
+        feats = compare_features(run.result.get("features") or [], offline.get("requests") or [])
+        run.result["features_vs_no_spec"] = feats
+        print(f"feature requests vs offline {reference}: {feats['identical']}/{feats['total']} "
+              f"identical, logprobs within {feats['max_logprob_abs_diff']}", flush=True)
+        if args.strict_greedy:
+            run.check("features", "identical_to_no_spec",
+                      feats["total"] > 0 and feats["identical"] == feats["total"],
+                      message=f"{feats['identical']}/{feats['total']} identical")
     if args.strict_greedy:
         name = "identical_to_no_spec" if reference == "no-spec" else "identical_to_offline_same_config"
         run.check("greedy", name, cmp["all_identical"],

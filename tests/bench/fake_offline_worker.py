@@ -3,14 +3,15 @@ tests/bench/test_serve_e2e.py: reads the reference spec, writes the greedy outpu
 tests/bench/fake_openai_server.py would give for the same prompt token ids.
 
 FAKE_OFFLINE_DIFFER=<reference> makes that reference's second output differ from its
-fourth token on; FAKE_OFFLINE_FAIL=<reference> makes it exit 1 without output.
+fourth token on (``features``: the second feature request's); FAKE_OFFLINE_FAIL=<reference>
+makes it exit 1 without output.
 """
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fake_openai_server import completion_for, text_of  # noqa: E402
+from fake_openai_server import completion_for, logprob_of, text_of  # noqa: E402
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -27,9 +28,19 @@ def main(spec_path: str, out_path: str) -> int:
     ids = [completion_for(p, spec["max_tokens"]) for p in spec["prompts"]]
     if os.environ.get("FAKE_OFFLINE_DIFFER") == reference and len(ids) > 1:
         ids[1] = ids[1][:3] + [t + 1 for t in ids[1][3:]]
+    result = {"init_s": 0.0, "generate_s": 0.0, "token_ids": ids,
+              "texts": [text_of(x) for x in ids]}
+    if spec.get("requests"):
+        result["requests"] = []
+        for k, r in enumerate(spec["requests"]):
+            out = completion_for(r["prompt_token_ids"], r["params"]["max_tokens"])
+            if os.environ.get("FAKE_OFFLINE_DIFFER") == "features" and k == 1:
+                out = out[:3] + [t + 1 for t in out[3:]]
+            lps = ([logprob_of(t, i) for i, t in enumerate(out)]
+                   if r["params"].get("logprobs") else None)
+            result["requests"].append({"check": r["check"], "token_ids": out, "logprobs": lps})
     with open(out_path, "w") as f:
-        json.dump({"init_s": 0.0, "generate_s": 0.0, "token_ids": ids,
-                   "texts": [text_of(x) for x in ids]}, f)
+        json.dump(result, f)
     return 0
 
 

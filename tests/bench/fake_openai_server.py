@@ -42,6 +42,18 @@ def text_of(ids) -> str:
     return "".join(f" t{i}" for i in ids)
 
 
+def logprob_of(token: int, position: int) -> float:
+    """The fake's logprob of the token it emits at ``position`` (the offline stand-in
+    computes the same)."""
+    return -0.1 - 0.001 * ((token + position) % 50)
+
+
+def logprobs_entry(ids: list[int], first: int = 0) -> dict:
+    return {"tokens": [f" t{i}" for i in ids],
+            "token_logprobs": [logprob_of(t, first + k) for k, t in enumerate(ids)],
+            "top_logprobs": [{f" t{i}": -0.1, f" t{i + 1}": -2.0} for i in ids]}
+
+
 def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "BadRequestError",
                                         "code": status}}, status=status)
@@ -94,12 +106,20 @@ async def completions(request):
     ids = completion_for(prompt_ids, n)
     COUNTERS["drafts"] += 1 + n // 4
     COUNTERS["accepted"] += n
+    if body.get("structured_outputs"):
+        # A grammar-constrained answer (FAKE_MODE=bad_json: one that ignores it) in one
+        # chunk when streamed.
+        text = "not json" if MODE == "bad_json" else json.dumps({"name": text_of(ids[:2])})
+        choice = {"index": 0, "text": text, "finish_reason": "stop"}
+        if body.get("return_token_ids"):
+            choice.update(token_ids=ids, prompt_token_ids=prompt_ids)
+        if not body.get("stream"):
+            return web.json_response({"object": "text_completion", "choices": [choice]})
+        return await sse(request, [{"choices": [choice]}])
     if not body.get("stream"):
         choice = {"index": 0, "text": text_of(ids), "finish_reason": "length"}
         if body.get("logprobs"):
-            choice["logprobs"] = {"tokens": [f" t{i}" for i in ids],
-                                  "top_logprobs": [{f" t{i}": -0.1, f" t{i + 1}": -2.0}
-                                                   for i in ids]}
+            choice["logprobs"] = logprobs_entry(ids)
         if body.get("return_token_ids"):
             choice.update(token_ids=ids, prompt_token_ids=prompt_ids)
         return web.json_response({"object": "text_completion", "choices": [choice],
@@ -109,6 +129,8 @@ async def completions(request):
     chunks = []
     for k, tok in enumerate(ids):
         choice = {"index": 0, "text": text_of([tok]), "finish_reason": None}
+        if body.get("logprobs"):
+            choice["logprobs"] = logprobs_entry([tok], k)
         if body.get("return_token_ids"):
             choice["token_ids"] = [tok]
             if k == 0:

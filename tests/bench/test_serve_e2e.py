@@ -215,12 +215,20 @@ def test_flow_against_fake_server_passes(tmp_path):
     assert all(b["message"] for b in r["bad_configs"])
     assert {b["name"]: b["status"] for b in r["bad_requests"]}["unknown_model"] == 404
     assert all(400 <= b["status"] < 500 for b in r["bad_requests"])
-    # Served without drafts: penalties, bad words, a JSON schema (its answer parses).
-    features = {f["name"]: f for f in r["features"]}
-    assert set(features) == {"logprobs", "presence_penalty", "repetition_frequency_penalties",
-                             "bad_words", "structured_output_json_schema"}
-    assert all(f["status"] == 200 for f in features.values())
-    assert "name" in json.loads(features["structured_output_json_schema"]["answer"])
+    # Logprobs on trees; penalties, bad words, a JSON schema without drafts: each at
+    # T=0 and T=1, streamed and not (24 requests sent at once), and the chat route.
+    features = r["features"]
+    assert len(features) == 24 and all(f["status"] == 200 for f in features)
+    assert {f["name"] for f in features} == {
+        "ordinary", "logprobs", "presence_penalty", "repetition_frequency_penalties",
+        "bad_words", "structured_output_json"}
+    for f in features:
+        if f["name"] == "logprobs":  # streamed answers reassembled from their chunks
+            assert len(f["token_logprobs"]) == len(f["token_ids"]) == E.FEATURE_MAX_TOKENS
+        if f["name"] == "structured_output_json":
+            assert "name" in json.loads(f["text"])
+    names = {c["name"] for c in r["checks"]["features"]}
+    assert "chat_response_format_json_schema" in names and "logprobs_T1_stream" in names
     assert r["load"]["errors"] == 0 and r["load"]["num_requests"] == 24
     assert r["load"]["latency"]["p99_s"] is not None
     m = r["spec_decode_metrics"]["after_load"]
@@ -243,6 +251,26 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
     assert spec["speculative_config"] == r["server"]["speculative_config"]
     assert spec["attention_backend"] is None and spec["max_num_seqs"] == 64
     assert "greedy vs offline same-config: 24/24 identical" in proc.stdout
+    # The feature requests replayed without speculation, with their sampling fields.
+    f = r["features_vs_no_spec"]
+    assert (f["identical"], f["total"]) == (24, 24) and f["max_logprob_abs_diff"] == 0.0
+    assert "features/identical_to_no_spec" not in r["failures"]
+    spec = json.loads((tmp_path / "logs" / "offline-spec.json").read_text())
+    seeded = [q for q in spec["requests"] if q["params"]["temperature"]]
+    assert len(seeded) == 12 and all(q["params"]["seed"] >= 1000 for q in seeded)
+    assert any("structured_outputs" in q["params"] and "ignore_eos" not in q["params"]
+               for q in spec["requests"])
+
+
+def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--strict-greedy", "--time-budget",
+                          "60", "--offline-references", "no-spec", offline=True,
+                          env_extra={"FAKE_OFFLINE_DIFFER": "features"})
+    assert proc.returncode == 1
+    assert r["failures"] == ["features/identical_to_no_spec"]
+    f = r["features_vs_no_spec"]
+    assert f["identical"] == 23
+    assert [q["first_difference"] for q in f["requests"] if not q["identical"]] == [3]
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -271,8 +299,8 @@ def test_an_offline_reference_that_fails_is_a_failure(tmp_path):
 
 
 @pytest.mark.parametrize("mode, failed", [
-    ("logprobs_500", "features/logprobs"),
-    ("bad_json", "features/structured_output_json_schema"),
+    ("logprobs_500", "features/logprobs_T0_nonstream"),
+    ("bad_json", "features/structured_output_json_T1_stream"),
     ("short", "load/zero_errors"),
 ])
 def test_flow_fails_on_server_faults(tmp_path, mode, failed):
