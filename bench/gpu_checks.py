@@ -141,6 +141,8 @@ SAMPLING_MODES = {
     # Sample logprobs from the tree sampler: tokens compared as in every mode, and the
     # emitted tokens' logprobs against the reference's where both emitted the same.
     "seeded-logprobs": dict(temperature=1.0, logprobs=5),
+    # Prompt logprobs (prefill), compared per prompt token (max_prompt_logprob_abs_diff).
+    "seeded-prompt-logprobs": dict(temperature=1.0, prompt_logprobs=1),
 }
 # What "seeded-features" adds to request i: FEATURE_CYCLE[i % len(FEATURE_CYCLE)].
 FEATURE_CYCLE = (
@@ -191,6 +193,7 @@ class Generated(list):
     (None when the mode asks for none)."""
 
     logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[list[float | None]] | None = None
 
 
 def emitted_logprobs(output) -> list[float] | None:
@@ -215,6 +218,16 @@ def max_logprob_difference(out: Generated, ref: Generated) -> float | None:
     return worst
 
 
+def max_prompt_logprob_difference(out: Generated, ref: Generated) -> float | None:
+    """The largest |logprob difference| of a prompt token between two runs (None
+    without prompt logprobs)."""
+    if out.prompt_logprobs is None or ref.prompt_logprobs is None:
+        return None
+    return max((abs(x - y) for lo, lr in zip(out.prompt_logprobs, ref.prompt_logprobs)
+                for x, y in zip(lo or [], lr or []) if x is not None and y is not None),
+               default=0.0)
+
+
 def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):
     sps = sampling_params(mode, len(prompts), max_tokens, first)
     t = time.time()
@@ -222,6 +235,10 @@ def _generate(llm, prompts, max_tokens, mode: str, first: int = 0):
     tokens = Generated(list(o.outputs[0].token_ids) for o in outs)
     if SAMPLING_MODES[mode].get("logprobs") is not None:
         tokens.logprobs = [emitted_logprobs(o.outputs[0]) for o in outs]
+    if SAMPLING_MODES[mode].get("prompt_logprobs") is not None:
+        tokens.prompt_logprobs = [
+            [None if e is None else float(e[t].logprob)
+             for e, t in zip(o.prompt_logprobs or [], o.prompt_token_ids)] for o in outs]
     return tokens, time.time() - t
 
 
@@ -474,6 +491,7 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
             if mode == "seeded-features" and FEATURE_CYCLE[i % len(FEATURE_CYCLE)]:
                 continue  # penalties and grammars count the output, not a prompt
             kw.pop("logprobs", None)  # the two tokens' logprobs are asked by id below
+            kw.pop("prompt_logprobs", None)
             seed = request_seed(mode, i)
             # The two tokens' logprobs by id: at T > 0 either may lie far outside a top-k.
             sp = SamplingParams(max_tokens=1, logprob_token_ids=[ref_token, out_token],
@@ -546,9 +564,21 @@ def run_equiv_real(args) -> dict:
         # difference is the engine's own dependence on the batch's shape, which bounds
         # what exactness the speculative runs can show in this mode.
         for m in modes:
-            alone = [_generate(base, [p], args.max_tokens, m, first=i)[0][0]
-                     for i, p in enumerate(prompts[:n])]
-            record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[m][n])), m)
+            runs = [_generate(base, [p], args.max_tokens, m, first=i)[0]
+                    for i, p in enumerate(prompts[:n])]
+            alone = Generated(r[0] for r in runs)
+            if runs and runs[0].logprobs is not None:
+                alone.logprobs = [r.logprobs[0] for r in runs]
+            if runs and runs[0].prompt_logprobs is not None:
+                alone.prompt_logprobs = [r.prompt_logprobs[0] for r in runs]
+            extra = {}
+            for key, fn in (("max_logprob_abs_diff", max_logprob_difference),
+                            ("max_prompt_logprob_abs_diff", max_prompt_logprob_difference)):
+                diff = fn(alone, ref[m][n])
+                if diff is not None:
+                    extra[key] = round(diff, 6)
+            record(dict(config="no-spec-batch-shape", batch=n, **_compare(alone, ref[m][n]),
+                        **extra), m)
     _free(base)
 
     budget = args.budgets[0]
@@ -586,6 +616,9 @@ def run_equiv_real(args) -> dict:
                     diff = max_logprob_difference(out, ref[m][bs])
                     if diff is not None:
                         extra["max_logprob_abs_diff"] = round(diff, 6)
+                    diff = max_prompt_logprob_difference(out, ref[m][bs])
+                    if diff is not None:
+                        extra["max_prompt_logprob_abs_diff"] = round(diff, 6)
                     record(dict(config=name, batch=bs, async_scheduling=async_on,
                                 seconds=round(secs, 3), **_compare(out, ref[m][bs]),
                                 reference_tokens=_differing(out, ref[m][bs]), **extra), m)

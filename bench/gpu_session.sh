@@ -221,6 +221,7 @@ case "$step" in
     # LOSSLESS_SAMPLING=seeded-features: requests decoded without drafts (penalties, bad
     # words, a JSON grammar) mixed with tree requests in each batch; seeded-logprobs:
     # the tree sampler's logprobs against plain decoding's (max_logprob_abs_diff).
+    # seeded-prompt-logprobs: prompt logprobs (max_prompt_logprob_abs_diff).
     prepare
     read -r -a lmodes <<< "${LOSSLESS_MODES:-eager}"
     for m in "${lmodes[@]}"; do

@@ -17,10 +17,10 @@ process this script started and writes what it has if the budget is overrun):
    non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
    the ``vllm:spec_decode*`` Prometheus counters (mean acceptance length
    = 1 + accepted / drafts).
-4. ``bad_requests``: what DDTree refuses per request (prompt logprobs) and plain bad
-   requests get a 4xx with a message; the server stays healthy.
-   ``features``: what DDTree serves (logprobs; penalties, bad words and a JSON schema,
-   without drafts), each at T=0 and at T=1 with a seed, streamed and not, sent at once:
+4. ``bad_requests``: what speculative decoding refuses per request (logit_bias) and
+   plain bad requests get a 4xx with a message; the server stays healthy.
+   ``features``: what DDTree serves (logprobs, prompt logprobs; penalties, bad words and
+   a JSON schema, without drafts), each at T=0 and at T=1 with a seed, streamed and not, sent at once:
    a 200 with the logprobs asked for, the schema's answers parse as JSON with its
    required field (and the chat route's ``response_format``). Phase 6 replays them
    without speculation (``features_vs_no_spec``: tokens and logprobs; a failure only
@@ -800,11 +800,13 @@ def check_metrics(run: Run, base: str, label: str, hard: bool) -> dict:
 
 
 def bad_requests(model: str) -> list[dict]:
-    """Requests that must get a 4xx: what DDTree refuses, then plain client errors."""
+    """Requests that must get a 4xx: what speculative decoding refuses, then plain client
+    errors."""
     base = {"model": model, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0}
     return [
-        {"name": "prompt_logprobs", "path": "/v1/completions",
-         "body": dict(base, prompt_logprobs=1), "expect": 400, "mentions": "prompt_logprobs"},
+        # What vLLM refuses with any speculative decoding (SamplingParams._validate_spec_decode).
+        {"name": "logit_bias", "path": "/v1/completions",
+         "body": dict(base, logit_bias={"1": 5.0}), "expect": 400, "mentions": "logit_bias"},
         {"name": "negative_max_tokens", "path": "/v1/completions", "body": dict(base, max_tokens=-1),
          "expect": 400, "mentions": "max_tokens"},
         {"name": "unknown_model", "path": "/v1/completions", "body": dict(base, model="no-such-model"),
@@ -851,12 +853,15 @@ FEATURE_SETTINGS = (
     ("repetition_frequency_penalties", {"repetition_penalty": 1.2, "frequency_penalty": 0.3}),
     ("bad_words", {"bad_words": [" the"]}),
     ("structured_output_json", {"structured_outputs": {"json": FEATURE_SCHEMA}}),
+    # Computed at prefill; answered in a non-streamed choice only (vLLM streams them
+    # with echo alone).
+    ("prompt_logprobs", {"prompt_logprobs": 1}),
 )
 FEATURE_MAX_TOKENS = 24
 # The request fields the offline reference passes to SamplingParams as they are.
 FEATURE_SAMPLING_FIELDS = ("temperature", "seed", "max_tokens", "ignore_eos", "logprobs",
-                           "presence_penalty", "repetition_penalty", "frequency_penalty",
-                           "bad_words", "structured_outputs")
+                           "prompt_logprobs", "presence_penalty", "repetition_penalty",
+                           "frequency_penalty", "bad_words", "structured_outputs")
 
 
 def feature_requests(model: str) -> list[dict]:
@@ -880,6 +885,7 @@ def feature_requests(model: str) -> list[dict]:
                     body.update(stream=True, stream_options={"include_usage": True})
                 out.append({"name": name, "temperature": temp, "stream": stream, "body": body,
                             "logprobs": extra.get("logprobs"),
+                            "prompt_logprobs": bool(extra.get("prompt_logprobs")) and not stream,
                             "json_field": "name" if "structured_outputs" in extra else None})
     return out
 
@@ -895,7 +901,7 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
     and top-logprob counts (streamed answers reassembled from their chunks)."""
     rec = {"name": req["name"], "temperature": req["temperature"], "stream": req["stream"],
            "status": status, "text": None, "token_ids": None, "prompt_token_ids": None,
-           "token_logprobs": None, "top_counts": None,
+           "token_logprobs": None, "top_counts": None, "prompt_token_logprobs": None,
            "message": error_message(body) if status != 200 else None}
     if status != 200:
         return rec
@@ -906,8 +912,9 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
             choices = [{}]
     else:
         choices = [c for e in events if isinstance(e, dict) for c in (e.get("choices") or [])]
-    text, ids, prompt_ids, lps, tops = [], [], None, [], []
+    text, ids, prompt_ids, lps, tops, prompt_lps = [], [], None, [], [], None
     for c in choices:
+        prompt_lps = prompt_lps or c.get("prompt_logprobs")
         text.append(c.get("text") or "")
         ids += c.get("token_ids") or []
         prompt_ids = prompt_ids or c.get("prompt_token_ids")
@@ -917,6 +924,11 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
     rec.update(text="".join(text), token_ids=ids, prompt_token_ids=prompt_ids,
                token_logprobs=lps if req["logprobs"] else None,
                top_counts=tops if req["logprobs"] else None)
+    if req.get("prompt_logprobs") and prompt_lps and prompt_ids:
+        # Each prompt token's own logprob (the first has none); JSON keys are strings.
+        rec["prompt_token_logprobs"] = [
+            None if e is None else (e.get(str(t)) or {}).get("logprob")
+            for e, t in zip(prompt_lps, prompt_ids)]
     return rec
 
 
@@ -954,6 +966,10 @@ def check_features(run: Run, base: str) -> None:
             counts = rec["top_counts"] or []
             ok = (len(counts) == len(rec["token_ids"]) == len(rec["token_logprobs"] or [])
                   and all(n >= req["logprobs"] for n in counts))
+        if ok and req.get("prompt_logprobs"):
+            vals = rec["prompt_token_logprobs"] or []
+            ok = (len(vals) == len(rec["prompt_token_ids"] or []) > 1
+                  and all(v is not None for v in vals[1:]))
         if ok and req["json_field"]:
             try:
                 parsed = json.loads(rec["text"])
@@ -998,10 +1014,11 @@ def feature_reference_requests(records: list[dict]) -> list[dict]:
 
 
 def compare_features(records: list[dict], reference: list[dict]) -> dict:
-    """Server against offline, per feature request: identical token ids, and for the
-    logprobs requests the largest |logprob difference| over the identical prefix."""
+    """Server against offline, per feature request: identical token ids, for the
+    logprobs requests the largest |logprob difference| over the identical prefix, and
+    for prompt logprobs the largest over the prompt's tokens."""
     answered = {r["check"]: r for r in records if r.get("status") == 200}
-    rows, worst = [], 0.0
+    rows, worst, worst_prompt = [], 0.0, 0.0
     for ref in reference:
         got = answered.get(ref["check"])
         if got is None:
@@ -1012,6 +1029,12 @@ def compare_features(records: list[dict], reference: list[dict]) -> dict:
             n = next((i for i, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"]))
                       if a != b), min(len(got["token_ids"]), len(ref["token_ids"])))
             row["first_difference"] = n
+        if got.get("prompt_token_logprobs") and ref.get("prompt_logprobs"):
+            pairs = [(a, b) for a, b in zip(got["prompt_token_logprobs"], ref["prompt_logprobs"])
+                     if a is not None and b is not None]
+            row["max_prompt_logprob_abs_diff"] = round(max((abs(a - b) for a, b in pairs),
+                                                           default=0.0), 6)
+            worst_prompt = max(worst_prompt, row["max_prompt_logprob_abs_diff"])
         if got.get("token_logprobs") is not None and ref.get("logprobs") is not None:
             diffs = [abs(a - b) for (ta, tb, a, b) in zip(got["token_ids"], ref["token_ids"],
                                                           got["token_logprobs"], ref["logprobs"])
@@ -1022,7 +1045,8 @@ def compare_features(records: list[dict], reference: list[dict]) -> dict:
             worst = max(worst, row["max_logprob_abs_diff"])
         rows.append(row)
     return {"identical": sum(r["identical"] for r in rows), "total": len(rows),
-            "max_logprob_abs_diff": round(worst, 6), "requests": rows}
+            "max_logprob_abs_diff": round(worst, 6),
+            "max_prompt_logprob_abs_diff": round(worst_prompt, 6), "requests": rows}
 
 
 async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int,
@@ -1161,8 +1185,11 @@ def offline_worker(spec_path: str, out_path: str) -> int:
             c = o.outputs[0]
             lps = ([float(step[t].logprob) for t, step in zip(c.token_ids, c.logprobs)]
                    if r["params"].get("logprobs") and c.logprobs else None)
+            plps = ([None if e is None else float(e[t].logprob)
+                     for e, t in zip(o.prompt_logprobs, r["prompt_token_ids"])]
+                    if r["params"].get("prompt_logprobs") and o.prompt_logprobs else None)
             result["requests"].append({"check": r["check"], "token_ids": list(c.token_ids),
-                                       "logprobs": lps})
+                                       "logprobs": lps, "prompt_logprobs": plps})
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
@@ -1252,7 +1279,8 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
         feats = compare_features(run.result.get("features") or [], offline.get("requests") or [])
         run.result["features_vs_no_spec"] = feats
         print(f"feature requests vs offline {reference}: {feats['identical']}/{feats['total']} "
-              f"identical, logprobs within {feats['max_logprob_abs_diff']}", flush=True)
+              f"identical, logprobs within {feats['max_logprob_abs_diff']}, prompt logprobs "
+              f"within {feats['max_prompt_logprob_abs_diff']}", flush=True)
         if args.strict_greedy:
             run.check("features", "identical_to_no_spec",
                       feats["total"] > 0 and feats["identical"] == feats["total"],

@@ -835,6 +835,9 @@ TREE_EXACT_REQUEST_FIELDS = {
     "logprobs": "the tree sampler scores each emitted token at the node it was sampled "
                 "from, with vLLM's compute_topk_scores (DDTreeSampler._path_logprobs)",
     "logprob_token_ids": "the same, for the requested token ids",
+    "prompt_logprobs": "computed by vLLM's prompt-logprobs worker over a prefilling "
+                       "request's rows, which carry no tree (a tree's positions and "
+                       "bias are a decoding request's)",
     "extra_args": "read by no in-tree sampler; custom logits processors, which "
                   "could read it, stop the V2 runner at start-up",
     "routed_experts_prompt_start": "routed-experts capture stops the V2 runner at "
@@ -862,8 +865,6 @@ TREE_WITHOUT_DRAFTS_REQUEST_FIELDS = {
 }
 # Refused unless at their default, with the reason the refusal names.
 TREE_REFUSED_REQUEST_FIELDS = {
-    "prompt_logprobs": "prompt logprobs are not checked against decoding without "
-                       "speculation yet",
     "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "
                              "runs on",
 }

@@ -38,7 +38,11 @@ def main(spec_path: str, out_path: str) -> int:
                 out = out[:3] + [t + 1 for t in out[3:]]
             lps = ([logprob_of(t, i) for i, t in enumerate(out)]
                    if r["params"].get("logprobs") else None)
-            result["requests"].append({"check": r["check"], "token_ids": out, "logprobs": lps})
+            prompt = r["prompt_token_ids"]
+            plps = ([None] + [logprob_of(t, -k) for k, t in enumerate(prompt[1:], 1)]
+                    if r["params"].get("prompt_logprobs") else None)
+            result["requests"].append({"check": r["check"], "token_ids": out, "logprobs": lps,
+                                       "prompt_logprobs": plps})
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0

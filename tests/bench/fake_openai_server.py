@@ -4,7 +4,7 @@ Invoked like the vLLM CLI, ``fake_openai_server.py serve TARGET --speculative-co
 JSON --port P ...``, it mimics what bench/serve_e2e.py relies on: refusals of bad DDTree
 configs at startup (exit 1 with vllm_ddtree's wording), /health, /v1/models,
 /v1/completions and /v1/chat/completions (streamed as SSE, with ``return_token_ids``),
-the 4xx answers of the DDTree server, and spec-decode Prometheus counters. Greedy
+the 4xx answers of a speculative-decoding server, and spec-decode Prometheus counters. Greedy
 "generation" is a deterministic function of the prompt.
 
 FAKE_MODE (environment) injects faults: ``die`` exits at startup, ``no_health`` never
@@ -71,10 +71,9 @@ def refusal(body: dict, chat: bool):
         return error(404, f"The model `{body.get('model')}` does not exist.")
     if MODE == "logprobs_500" and body.get("logprobs"):
         return web.Response(status=500, text="Internal Server Error")
-    refused = [k for k in ("prompt_logprobs",) if body.get(k)]
-    if refused:
-        return error(400, "this server decodes with DDTree speculative decoding, which does "
-                          "not support " + ", ".join(refused) + " yet; leave them unset.")
+    if body.get("logit_bias"):
+        return error(400, "The min_p and logit_bias sampling parameters are not yet "
+                          "supported with speculative decoding.")
     if body.get("max_tokens") is not None and body["max_tokens"] < 1:
         return error(400, f"max_tokens must be at least 1, got {body['max_tokens']}.")
     return None
@@ -120,6 +119,10 @@ async def completions(request):
         choice = {"index": 0, "text": text_of(ids), "finish_reason": "length"}
         if body.get("logprobs"):
             choice["logprobs"] = logprobs_entry(ids)
+        if body.get("prompt_logprobs"):
+            choice["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": logprob_of(t, -k), "rank": 1}}
+                for k, t in enumerate(prompt_ids[1:], 1)]
         if body.get("return_token_ids"):
             choice.update(token_ids=ids, prompt_token_ids=prompt_ids)
         return web.json_response({"object": "text_completion", "choices": [choice],

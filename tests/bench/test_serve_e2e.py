@@ -216,17 +216,20 @@ def test_flow_against_fake_server_passes(tmp_path):
     assert {b["name"]: b["status"] for b in r["bad_requests"]}["unknown_model"] == 404
     assert all(400 <= b["status"] < 500 for b in r["bad_requests"])
     # Logprobs on trees; penalties, bad words, a JSON schema without drafts: each at
-    # T=0 and T=1, streamed and not (24 requests sent at once), and the chat route.
+    # T=0 and T=1, streamed and not (28 requests sent at once), and the chat route.
     features = r["features"]
-    assert len(features) == 24 and all(f["status"] == 200 for f in features)
+    assert len(features) == 28 and all(f["status"] == 200 for f in features)
     assert {f["name"] for f in features} == {
         "ordinary", "logprobs", "presence_penalty", "repetition_frequency_penalties",
-        "bad_words", "structured_output_json"}
+        "bad_words", "structured_output_json", "prompt_logprobs"}
     for f in features:
         if f["name"] == "logprobs":  # streamed answers reassembled from their chunks
             assert len(f["token_logprobs"]) == len(f["token_ids"]) == E.FEATURE_MAX_TOKENS
         if f["name"] == "structured_output_json":
             assert "name" in json.loads(f["text"])
+        if f["name"] == "prompt_logprobs" and not f["stream"]:
+            assert f["prompt_token_logprobs"][0] is None
+            assert len(f["prompt_token_logprobs"]) == len(f["prompt_token_ids"])
     names = {c["name"] for c in r["checks"]["features"]}
     assert "chat_response_format_json_schema" in names and "logprobs_T1_stream" in names
     assert r["load"]["errors"] == 0 and r["load"]["num_requests"] == 24
@@ -253,11 +256,13 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
     assert "greedy vs offline same-config: 24/24 identical" in proc.stdout
     # The feature requests replayed without speculation, with their sampling fields.
     f = r["features_vs_no_spec"]
-    assert (f["identical"], f["total"]) == (24, 24) and f["max_logprob_abs_diff"] == 0.0
+    assert (f["identical"], f["total"]) == (28, 28) and f["max_logprob_abs_diff"] == 0.0
+    assert f["max_prompt_logprob_abs_diff"] == 0.0
+    assert sum("max_prompt_logprob_abs_diff" in q for q in f["requests"]) == 2
     assert "features/identical_to_no_spec" not in r["failures"]
     spec = json.loads((tmp_path / "logs" / "offline-spec.json").read_text())
     seeded = [q for q in spec["requests"] if q["params"]["temperature"]]
-    assert len(seeded) == 12 and all(q["params"]["seed"] >= 1000 for q in seeded)
+    assert len(seeded) == 14 and all(q["params"]["seed"] >= 1000 for q in seeded)
     assert any("structured_outputs" in q["params"] and "ignore_eos" not in q["params"]
                for q in spec["requests"])
 
@@ -269,7 +274,7 @@ def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp
     assert proc.returncode == 1
     assert r["failures"] == ["features/identical_to_no_spec"]
     f = r["features_vs_no_spec"]
-    assert f["identical"] == 23
+    assert f["identical"] == 27
     assert [q["first_difference"] for q in f["requests"] if not q["identical"]] == [3]
 
 

@@ -38,7 +38,7 @@ EXACT_VALUES = dict(
     skip_clone=True,
     repetition_detection=RepetitionDetectionParams(max_pattern_size=4, min_count=3),
     skip_reading_prefix_cache=True, flat_logprobs=True, extra_args={"kv_transfer_params": {}},
-    logprobs=0, logprob_token_ids=[3, 4],
+    logprobs=0, logprob_token_ids=[3, 4], prompt_logprobs=2,
     routed_experts_prompt_start=3, _eos_token_id=2, _all_stop_token_ids={2, 5},
 )
 WITHOUT_DRAFTS_VALUES = dict(
@@ -46,7 +46,7 @@ WITHOUT_DRAFTS_VALUES = dict(
     bad_words=["foo"], _bad_words_token_ids=[[3]],
     structured_outputs=StructuredOutputsParams(json={"type": "object"}),
 )
-REFUSED_VALUES = dict(prompt_logprobs=1, thinking_token_budget=16)
+REFUSED_VALUES = dict(thinking_token_budget=16)
 
 
 def _params(name, value):
@@ -123,16 +123,20 @@ def test_defaults_and_unset_equivalents_pass():
 
 
 def test_every_refused_field_is_named_in_one_message():
-    params = SamplingParams(prompt_logprobs=2, repetition_penalty=1.1, logprobs=3)
+    class NewerSamplingParams(SamplingParams, omit_defaults=True, dict=True):
+        new_upstream_knob: int = 0
+
+    params = NewerSamplingParams(new_upstream_knob=1, prompt_logprobs=2,
+                                 repetition_penalty=1.1, logprobs=3)
     params.thinking_token_budget = 8
     with pytest.raises(ValueError) as info:
         validate_ddtree_request(params)
     message = str(info.value)
-    for name in ("prompt_logprobs (", "thinking_token_budget ("):
+    for name in ("thinking_token_budget (", "new_upstream_knob ("):
         assert name in message
-    # Served: penalties without drafts, sample logprobs on trees.
-    assert "repetition_penalty" not in message and "logprobs (" not in message.replace(
-        "prompt_logprobs (", "")
+    # Served: prompt logprobs and sample logprobs, penalties without drafts.
+    for name in ("repetition_penalty", "logprobs"):
+        assert name not in message
     assert "DDTree" in message
 
 
