@@ -85,6 +85,40 @@ def is_dflash_drafter(hf_config: Any) -> bool:
     return bool(_hf_get(hf_config, "dflash_config"))
 
 
+# DFlash2 drafters: DFlash's block drafter with grouped convolutions and a candidate
+# head (vLLM 0.33.0's DFlash2Qwen3ForCausalLM). DDTree builds its trees from the
+# candidate head's per-position logits; the pins whose vLLM serves them:
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# Candidate-head drafters DDTree does not drive (their heads differ from DFlash2's).
+UNSUPPORTED_CANDIDATE_HEADS = ("DFlash2BeamDraftModel", "LiLiCorrDraftModel")
+
+
+def is_dflash2_drafter(hf_config: Any) -> bool:
+    """True for a DFlash2 drafter (architecture ``DFlash2DraftModel``)."""
+    return DFLASH2_ARCHITECTURE in list(_hf_get(hf_config, "architectures", []) or [])
+
+
+def _check_drafter_kind(hf_config: Any, model: Any) -> None:
+    """Refuse the candidate-head drafters DDTree does not drive, and DFlash2 drafters
+    on a pin whose vLLM does not serve them."""
+    from vllm_ddtree.reach_ins import DFLASH2_PINS, installed_pin
+
+    architectures = list(_hf_get(hf_config, "architectures", []) or [])
+    other = [a for a in architectures if a in UNSUPPORTED_CANDIDATE_HEADS]
+    if other:
+        raise DDTreeConfigError(
+            f"ddtree: {model!r} is a {other[0]} drafter; DDTree drives DFlash "
+            f"(DFlashDraftModel) and DFlash2 ({DFLASH2_ARCHITECTURE}) drafters only.")
+    if is_dflash2_drafter(hf_config):
+        pin = installed_pin()
+        if pin not in DFLASH2_PINS:
+            raise DDTreeConfigError(
+                f"ddtree: {model!r} is a DFlash2 drafter ({DFLASH2_ARCHITECTURE}), which "
+                f"DDTree serves on vLLM {' and '.join(DFLASH2_PINS)} only; the installed "
+                f"vLLM is {pin or 'none of the pins'} (set it up with "
+                f"DDTREE_VLLM={DFLASH2_PINS[-1]} ./apply.sh).")
+
+
 def drafter_block_size(hf_config: Any) -> int | None:
     """Tokens one DFlash pass handles (the bonus/anchor plus the masked positions)."""
     for source in (hf_config, _hf_get(hf_config, "dflash_config", {}) or {}):
@@ -127,6 +161,7 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             f"'DFlashDraftModel' with a dflash_config); {spec_config.model!r} has "
             f"architectures {architectures}."
         )
+    _check_drafter_kind(hf_config, spec_config.model)
 
     budget = spec_config.num_speculative_tokens
     if budget is None:

@@ -16,6 +16,12 @@ machine check of its shape:
   launcher layout), whitespace-insensitive;
 * ``value``: a module constant, with the value we copied.
 
+The package serves two vLLM pins (:data:`PINS`). An entry holds on every pin unless
+its ``pins`` names the ones it applies to: where a shape differs between pins there is
+one entry per shape, and the call itself goes through one small adapter per pin
+(:mod:`vllm_ddtree.pin_calls`), chosen once for the installed pin. Only the installed
+pin's entries are checked; a vLLM that is none of the pins fails the check.
+
 :func:`check_reach_ins` runs every check and raises one :class:`ReachInError` naming
 each reach-in whose shape changed (expected, found, where it is used).
 ``DDTreeSpeculator.__init__`` calls it once per process, so a vLLM or Triton bump
@@ -35,6 +41,15 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_ddtree.manifest import version_matches
+
+# The vLLM releases the package serves, the default pin first (UPSTREAM's PINS=).
+PINS: tuple[str, ...] = ("0.26.0", "0.33.0")
+PIN_0_26 = "0.26.0"
+PIN_0_33 = "0.33.0"
+# The pins whose vLLM serves DFlash2 drafters (config.py refuses them elsewhere).
+DFLASH2_PINS: tuple[str, ...] = (PIN_0_33,)
+
 
 @dataclass(frozen=True)
 class ReachIn:
@@ -49,6 +64,8 @@ class ReachIn:
     # Absent where vLLM does not build it (FlashAttention on a CPU-only install):
     # checked when present.
     optional: bool = False
+    # The pins whose vLLM has this shape (default: all of them).
+    pins: tuple[str, ...] = PINS
 
     @property
     def name(self) -> str:
@@ -103,11 +120,16 @@ REACH_INS: tuple[ReachIn, ...] = (
             "graph modes: FULL entries of the drafter's graph manager, DDTree's FULL "
             "default for joining requests", "never (public enum)"),
     _attrs("vllm.config.model", "ModelConfig",
-           "architectures hf_config hf_text_config uses_mrope uses_xdrope_dim "
-           "get_sliding_window is_hybrid max_model_len enforce_eager dtype",
+           "architectures hf_config hf_text_config uses_mrope get_sliding_window "
+           "is_hybrid max_model_len enforce_eager dtype",
            "config.py (start-up refusals), cost_model.py",
            "what a tree cannot serve (M-RoPE, sliding windows, hybrids) and the dtype",
            "never (public configuration)"),
+    _attrs("vllm.config.model", "ModelConfig", "uses_xdrope_dim",
+           "config.py (target_attention_refusal)",
+           "XD-RoPE targets are refused like M-RoPE ones (0.33.0 folds xdrope_section "
+           "into uses_mrope, so there uses_mrope alone refuses both)",
+           "never (public configuration)", pins=(PIN_0_26,)),
     _attrs("vllm.config.parallel", "ParallelConfig",
            "data_parallel_size decode_context_parallel_size", "config.py",
            "DDTree refuses decode context parallelism and auto budgets with data "
@@ -202,16 +224,33 @@ REACH_INS: tuple[ReachIn, ...] = (
            "tree_verifier.py (DDTreeSampler)", "the tree sampler returns the runner's type",
            "never"),
     _attrs("vllm.v1.worker.gpu.sample.sampler", "Sampler",
-           "sample compute_nans sampling_states req_states returns_logprobs logprobs_mode "
+           "sample compute_nans sampling_states req_states logprobs_mode "
            "logprob_token_ids_state", "tree_verifier.py (DDTreeSampler)",
            "one target sample per node through vLLM's own sampler (penalties, bias, "
            "Gumbel noise keyed by seed and position)",
            "vLLM's V2 runner takes a tree sampler (the tree walk upstream)"),
+    _attrs("vllm.v1.worker.gpu.sample.sampler", "Sampler", "returns_logprobs",
+           "pin_calls.py (returns_logprobs)", "whether the batch asks for logprobs",
+           "vLLM's V2 runner takes a tree sampler", pins=(PIN_0_26,)),
+    _sig("vllm.v1.worker.gpu.sample.sampler", "Sampler.get_logprobs_dims",
+         "self idx_mapping_np include_token_ids", "pin_calls.py (returns_logprobs)",
+         "whether the batch asks for logprobs (None: none do)",
+         "vLLM's V2 runner takes a tree sampler", pins=(PIN_0_33,)),
     _sig("vllm.v1.worker.gpu.sample.sampler", "Sampler.sample",
          "self logits expanded_idx_mapping idx_mapping_np pos input_ids expanded_local_pos "
-         "return_logprobs", "tree_verifier.py (DDTreeSampler.__call__)",
+         "return_logprobs", "pin_calls.py (sampler_sample, from DDTreeSampler.__call__)",
          "called positionally with pos = start + depth, so seeded noise matches plain "
-         "decoding", "vLLM's V2 runner takes a tree sampler"),
+         "decoding", "vLLM's V2 runner takes a tree sampler", pins=(PIN_0_26,)),
+    _sig("vllm.v1.worker.gpu.sample.sampler", "Sampler.sample",
+         "self logits expanded_idx_mapping idx_mapping idx_mapping_np pos input_ids "
+         "expanded_local_pos seq_lens_upper_bound_np return_logprobs",
+         "pin_calls.py (sampler_sample, from DDTreeSampler.__call__)",
+         "as on 0.26.0, with the batch's idx_mapping and the host's upper bound of its "
+         "sequence lengths (InputBatch.seq_lens_cpu_upper_bound), as the sampler's own "
+         "__call__ passes them", "vLLM's V2 runner takes a tree sampler", pins=(PIN_0_33,)),
+    _attrs("vllm.v1.worker.gpu.input_batch", "InputBatch", "seq_lens_cpu_upper_bound",
+           "pin_calls.py (sampler_sample)", "Sampler.sample's seq_lens_upper_bound_np",
+           "never (the runner's step input)", pins=(PIN_0_33,)),
     _sig("vllm.v1.worker.gpu.sample.states", "SamplingStates.max_num_logprobs",
          "self idx_mapping_np", "tree_verifier.py (DDTreeSampler._path_logprobs)",
          "how many top logprobs the batch asks for", "never (a V2 helper)"),
@@ -227,13 +266,20 @@ REACH_INS: tuple[ReachIn, ...] = (
            "tree_verifier.py (sampler.req_states.prefill_len.gpu)",
            "get_num_sampled_and_rejected needs the prompt lengths", "never"),
     _attrs("vllm.v1.worker.gpu.block_table", "BlockTables",
-           "slot_mappings input_block_tables kernel_block_sizes",
-           "speculator.py (_prepare_drafter_inputs, decode context graphs)",
+           "slot_mappings input_block_tables",
+           "speculator.py (decode context graphs), pin_calls.py (prepare_dflash_inputs)",
            "the drafter groups' slot mappings and block tables for prepare_dflash_inputs",
            _DFLASH_DROP),
-    _sig("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run",
-         "self num_tokens args skip_attn uniform_decode skip_eplb is_profile kwargs",
-         "cost_model.py (_forward)",
+    _attrs("vllm.v1.worker.gpu.block_table", "BlockTables", "kernel_block_sizes",
+           "pin_calls.py (prepare_dflash_inputs)", "each KV group's block size",
+           _DFLASH_DROP, pins=(PIN_0_26,)),
+    _attrs("vllm.v1.worker.gpu.block_table", "BlockTables", "block_sizes cp_rank cp_interleave",
+           "pin_calls.py (prepare_dflash_inputs)",
+           "each KV group's block size and the context-parallel layout, as DFlash's "
+           "propose passes them", _DFLASH_DROP, pins=(PIN_0_33,)),
+    ReachIn("vllm.v1.worker.gpu.model_runner", "GPUModelRunner._dummy_run", "keywords",
+         ("num_tokens", "skip_attn", "is_profile"),
+         "cost_model.py (_forward: num_tokens positionally, the rest by keyword)",
          "times the target's forward at start-up (ddtree_tokens_per_step=auto) with the "
          "runner's profiling dummy run", "vLLM exposes a target-forward timing hook"),
     _attrs("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "speculator vllm_config",
@@ -249,8 +295,8 @@ REACH_INS: tuple[ReachIn, ...] = (
          "num_speculative_tokens_per_batch_size vllm_max_batch_size "
          "vllm_num_speculative_tokens", "speculator.py (_scheduler_budget_lookup)",
          "the scheduler's budget by batch size, computed the scheduler's way", "never"),
-    _sig("vllm.distributed.parallel_state", "graph_capture", "device graph_capture_context",
-         "speculator.py (capture)", "captures the context-store graphs in vLLM's capture "
+    ReachIn("vllm.distributed.parallel_state", "graph_capture", "keywords", ("device",),
+         "speculator.py (capture, by keyword)", "captures the context-store graphs in vLLM's capture "
          "context", "vLLM captures the drafter's context store itself"),
     _attrs("vllm.platforms", "current_platform", "get_global_graph_pool",
            "speculator.py (capture)", "the context-store graphs share vLLM's graph pool",
@@ -259,7 +305,7 @@ REACH_INS: tuple[ReachIn, ...] = (
     _attrs(_SPEC, "DFlashSpeculator",
            "propose _generate_draft _run_model set_attn init_cudagraph_manager capture "
            "vllm_config device dtype model max_num_reqs max_num_tokens max_model_len "
-           "draft_tokens draft_logits num_speculative_steps num_query_per_req "
+           "draft_model_config draft_tokens draft_logits num_speculative_steps num_query_per_req "
            "sample_indices sample_pos sample_idx_mapping hidden_states context_positions "
            "_context_slot_mappings _layer_group_idx input_buffers block_tables "
            "draft_kv_cache_group_ids parallel_drafting_token_id sample_from_anchor "
@@ -274,7 +320,24 @@ REACH_INS: tuple[ReachIn, ...] = (
          "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
          "temperature seeds num_tokens_across_dp dummy_run skip_attn_for_dummy_run "
          "mm_inputs is_profile", "speculator.py (propose overrides and calls it)",
-         "compaction before, trees after DFlash's drafting", _DFLASH_DROP),
+         "compaction before, trees after DFlash's drafting (the data-parallel argument "
+         "passes through by keyword)", _DFLASH_DROP, pins=(PIN_0_26,)),
+    _sig(_SPEC, "DFlashSpeculator.propose",
+         "self input_batch attn_metadata slot_mappings last_hidden_states "
+         "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
+         "temperature seeds dp_sync_state dummy_run skip_attn_for_dummy_run "
+         "mm_inputs is_profile num_speculative_tokens",
+         "speculator.py (propose overrides and calls it)",
+         "as on 0.26.0; dp_sync_state and the step's num_speculative_tokens pass through "
+         "by keyword (0 means no drafts, as DDTree's own budget 0)", _DFLASH_DROP,
+         pins=(PIN_0_33,)),
+    _attrs(_SPEC, "DFlashSpeculator", "_aux_staging temperature seeds dcp_size",
+           "speculator.py (__init__), pin_calls.py (prepare_dflash_inputs)",
+           "DDTree combines and compacts the target's hidden states before DFlash's "
+           "propose and hands it no auxiliary states, so the FULL drafter graph must "
+           "read the combined states (_aux_staging off); the drafter's sampling copies "
+           "and the decode context-parallel size go to prepare_dflash_inputs",
+           _DFLASH_DROP, pins=(PIN_0_33,)),
     _sig(_SPEC, "DFlashSpeculator._generate_draft",
          "self num_reqs num_tokens_padded attn_metadata slot_mappings num_tokens_across_dp "
          "cudagraph_runtime_mode", "speculator.py (_generate_draft overrides it)",
@@ -302,11 +365,23 @@ REACH_INS: tuple[ReachIn, ...] = (
          "num_rejected last_sampled next_prefill_tokens block_table block_size "
          "parallel_drafting_token_id num_query_per_req num_speculative_steps max_num_reqs "
          "max_num_tokens max_model_len sample_from_anchor",
-         "speculator.py (_prepare_drafter_inputs: 21 positional arguments, copied from "
-         "DFlash's propose)",
+         "pin_calls.py (prepare_dflash_inputs: 21 positional arguments, as DFlash's "
+         "propose passes them)",
          "budget-0 steps store the drafter's context without its query forward, and the "
          "input kernel is warmed up for every block size",
-         "DFlashSpeculator has a context-only store method"),
+         "DFlashSpeculator has a context-only store method", pins=(PIN_0_26,)),
+    _sig(_SPEC, "prepare_dflash_inputs",
+         "input_buffers query_slot_mapping context_positions context_slot_mapping "
+         "sample_indices sample_pos sample_idx_mapping temperature seeds input_batch "
+         "num_sampled num_rejected last_sampled next_prefill_tokens input_temperature "
+         "input_seeds block_table block_size cp_rank cp_size cp_interleave "
+         "parallel_drafting_token_id num_query_per_req num_speculative_steps max_num_reqs "
+         "max_num_tokens max_model_len sample_from_anchor num_reqs_override",
+         "pin_calls.py (prepare_dflash_inputs: 28 positional arguments, as DFlash's "
+         "propose passes them; num_reqs_override left at None, the whole batch)",
+         "as on 0.26.0; the kernel also copies the step's temperatures and seeds into "
+         "the drafter's buffers and maps slots under context parallelism",
+         "DFlashSpeculator has a context-only store method", pins=(PIN_0_33,)),
     ReachIn(_SPEC, "prepare_dflash_inputs", "source",
             ("max_target_query_len = int(input_batch.num_scheduled_tokens.max())",
              "max_tokens_per_req = max_target_query_len + num_query_per_req",
@@ -314,7 +389,17 @@ REACH_INS: tuple[ReachIn, ...] = (
             "dflash_input_warmup.py (dflash_input_block_size, MAX_BLOCK_SIZE)",
             "the BLOCK_SIZE rule is copied to compile the kernel for every block size a "
             "step can select before serving",
-            "vLLM's warm-up compiles every block size of _prepare_dflash_inputs_kernel"),
+            "vLLM's warm-up compiles every block size of _prepare_dflash_inputs_kernel",
+            pins=(PIN_0_26,)),
+    ReachIn(_SPEC, "prepare_dflash_inputs", "source",
+            ("max_target_query_len = int(input_batch.num_scheduled_tokens[:num_reqs].max())",
+             "max_tokens_per_req = max_target_query_len + num_query_per_req",
+             "BLOCK_SIZE = min(256, triton.next_power_of_2(max(1, max_tokens_per_req)))"),
+            "dflash_input_warmup.py (dflash_input_block_size, MAX_BLOCK_SIZE)",
+            "the same BLOCK_SIZE rule over the first num_reqs requests (the whole batch "
+            "when num_reqs_override is None, as DDTree calls it)",
+            "vLLM's warm-up compiles every block size of _prepare_dflash_inputs_kernel",
+            pins=(PIN_0_33,)),
     _attrs("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM",
            "precompute_and_store_context_kv combine_hidden_states compute_logits model",
            "speculator.py (the drafter model: self.model)",
@@ -329,6 +414,15 @@ REACH_INS: tuple[ReachIn, ...] = (
            "fc use_aux_hidden_state", "speculator.py (_decode_context_graphs_for)",
            "the width of the auxiliary states a budget-0 decode graph takes (fc.input_size)",
            _DFLASH_DROP),
+    _attrs("vllm.model_executor.models.qwen3_dflash2", "DFlash2Qwen3ForCausalLM",
+           "candidate_logits_processor lm_head", "speculator.py (_generate_draft)",
+           "a DFlash2 drafter's per-position logits for the tree: its LM head through "
+           "the candidate head's logits processor (output scale, soft cap)",
+           _DFLASH_DROP, pins=DFLASH2_PINS),
+    _sig("vllm.model_executor.layers.logits_processor", "LogitsProcessor.forward",
+         "self lm_head hidden_states embedding_bias skip_gather",
+         "speculator.py (_generate_draft, DFlash2 drafters)",
+         "called with (lm_head, hidden_states)", _DFLASH_DROP, pins=DFLASH2_PINS),
     _attrs("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "_capture_descs",
            "speculator.py (_drafter_graph_batch_sizes)",
            "the request counts of the drafter's FULL graphs, for the lean drafting budget "
@@ -534,10 +628,34 @@ def _problem(entry: ReachIn) -> str | None:
     return None
 
 
-def reach_in_problems(entries: tuple[ReachIn, ...] = REACH_INS) -> list[str]:
-    """One line per entry whose shape changed: name, expected, found, where used."""
+def installed_pin(version: str | None = None) -> str | None:
+    """The pin the installed vLLM (or ``version``) is, a release or a local build of
+    one (``0.33.0+cu130``); None when it is none of :data:`PINS`."""
+    if version is None:
+        version = importlib.import_module("vllm").__version__
+    return next((pin for pin in PINS if version_matches(version, pin)), None)
+
+
+def entries_for_pin(pin: str, entries: tuple[ReachIn, ...] = REACH_INS) -> tuple[ReachIn, ...]:
+    """The entries whose shape the vLLM of ``pin`` has."""
+    return tuple(e for e in entries if pin in e.pins)
+
+
+def reach_in_problems(entries: tuple[ReachIn, ...] = REACH_INS,
+                      pin: str | None = None) -> list[str]:
+    """One line per entry whose shape changed: name, expected, found, where used.
+    Only the entries of ``pin`` (default: the installed vLLM's) are checked; a vLLM
+    that is none of the pins is a problem itself, and then the newest pin's entries
+    are checked, to say what differs."""
     problems = []
-    for entry in entries:
+    if pin is None:
+        pin = installed_pin()
+        if pin is None:
+            problems.append(
+                f"vllm {importlib.import_module('vllm').__version__} is none of the pins "
+                f"{', '.join(PINS)} (vllm_ddtree.reach_ins.PINS)")
+            pin = PINS[-1]
+    for entry in entries_for_pin(pin, entries):
         problem = _problem(entry)
         if problem is not None:
             problems.append(f"{entry.name} ({entry.kind}; used in {entry.used_in}): {problem}")
@@ -572,7 +690,7 @@ def check_reach_ins(entries: tuple[ReachIn, ...] | None = None) -> None:
     if problems:
         raise ReachInError(
             f"DDTree relies on vLLM/Triton internals that changed ({_versions()}; the "
-            f"series is pinned in UPSTREAM). {len(problems)} reach-in(s) of "
+            f"pins are {', '.join(PINS)}). {len(problems)} reach-in(s) of "
             "vllm_ddtree/reach_ins.py no longer hold:\n  " + "\n  ".join(problems)
         )
     if entries is None:

@@ -30,13 +30,14 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree._triton import direct_launch_enabled
 from vllm_ddtree.budget import draft_shape, drafting_budgets, table_ranges
+from vllm_ddtree.config import is_dflash2_drafter
 from vllm_ddtree.context_store_graphs import (
     ContextStoreGraphs,
     context_graphs_enabled,
     padded_graph_size,
 )
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
-from vllm_ddtree import env
+from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
 from vllm_ddtree.online_budget import online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
@@ -88,13 +89,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_indices = torch.zeros(max_num_sampled, dtype=torch.int64, device=device)
         self.sample_pos = torch.zeros(max_num_sampled, dtype=torch.int64, device=device)
         self.sample_idx_mapping = torch.zeros(
-            max_num_sampled, dtype=torch.int32, device=device
+            max_num_sampled, dtype=self.sample_idx_mapping.dtype, device=device
         )
         self.sample_col = torch.arange(
             self.tree_depth, dtype=torch.int32, device=device
         ).repeat(self.max_num_reqs)
         # The tree is built from the drafter's logits, not from sampled drafts.
         self.draft_logits = None
+        # propose() hands DFlash's propose the target's hidden states combined and
+        # compacted, and no auxiliary states: a FULL drafter graph of vLLM 0.33.0 must
+        # read those (self.hidden_states) instead of combining staged auxiliary states.
+        self._aux_staging = None
+        # A DFlash2 drafter (vLLM 0.33.0) ranks its candidates with its own logits
+        # processor (output scale, soft cap); the trees take its per-position logits.
+        self._candidate_head = is_dflash2_drafter(self.draft_model_config.hf_config)
 
         # This step's trees, in batch order (written inside the drafter graph).
         self.trees = empty_tree(self.max_num_reqs, self.tree_budget, device)
@@ -156,17 +164,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_rejected: torch.Tensor,
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
     ) -> None:
         """The context half of DFlash's propose(): the target's hidden states of this
-        step's tokens into the drafter's KV cache (vLLM 0.26's
-        ``prepare_dflash_inputs`` + ``precompute_and_store_context_kv``), without
-        the query forward. Trees of these requests become root-only, so none that
+        step's tokens into the drafter's KV cache (vLLM's ``prepare_dflash_inputs`` +
+        ``precompute_and_store_context_kv``), without the query forward. Trees of these requests become root-only, so none that
         sits out steps keeps an old tree."""
         num_tokens = input_batch.num_tokens
         # Into the persistent buffer that the context-store graphs read.
         self.hidden_states[:num_tokens].copy_(hidden_states[:num_tokens])
         self._prepare_drafter_inputs(
-            input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens
+            input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+            temperature, seeds,
         )
         if self._layer_group_idx is not None:
             context_slots = [
@@ -186,38 +196,21 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_rejected: torch.Tensor,
         last_sampled: torch.Tensor,
         next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
     ) -> None:
-        """vLLM 0.26's ``prepare_dflash_inputs`` for each drafter KV group, as DFlash's
-        propose() calls it: the drafter's query, context positions and slots."""
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
-
+        """vLLM's ``prepare_dflash_inputs`` for each drafter KV group, as DFlash's
+        propose() calls it (:data:`vllm_ddtree.pin_calls.prepare_dflash_inputs`): the
+        drafter's query, context positions and slots."""
         for i, gid in enumerate(self.draft_kv_cache_group_ids):
-            prepare_dflash_inputs(
-                self.input_buffers,
-                self.block_tables.slot_mappings[gid],
-                self.context_positions,
-                self._context_slot_mappings[i],
-                self.sample_indices,
-                self.sample_pos,
-                self.sample_idx_mapping,
-                input_batch,
-                num_sampled,
-                num_rejected,
-                last_sampled,
-                next_prefill_tokens,
-                self.block_tables.input_block_tables[gid],
-                self.block_tables.kernel_block_sizes[gid],
-                self.parallel_drafting_token_id,
-                self.num_query_per_req,
-                self.num_speculative_steps,
-                self.max_num_reqs,
-                self.max_num_tokens,
-                self.max_model_len,
-                self.sample_from_anchor,
+            pin_calls.prepare_dflash_inputs(
+                self, i, gid, input_batch, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds,
             )
 
     def _warm_up_input_kernel(
-        self, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor
+        self, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor, seeds: torch.Tensor,
     ) -> None:
         """vLLM's DFlash input kernel compiled for every block size a step can select
         (:mod:`vllm_ddtree.dflash_input_warmup`), once, after the first step that ran
@@ -229,7 +222,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         try:
             blocks = warm_up_dflash_input_kernel(
                 lambda batch, num_sampled, num_rejected: self._prepare_drafter_inputs(
-                    batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens
+                    batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+                    temperature, seeds,
                 ),
                 self.num_query_per_req,
                 self.max_num_tokens,
@@ -481,18 +475,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         next_prefill_tokens: torch.Tensor,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
-        num_tokens_across_dp: torch.Tensor | None = None,
         dummy_run: bool = False,
         skip_attn_for_dummy_run: bool = False,
         mm_inputs=None,
         is_profile: bool = False,
+        **pin_kwargs: Any,
     ) -> torch.Tensor:
+        """DFlash's propose with compaction before and trees after. ``pin_kwargs``
+        are the pin's further keywords, passed on to DFlash's propose as given: the
+        data-parallel sync (``num_tokens_across_dp`` on 0.26.0, ``dp_sync_state`` on
+        0.33.0) and, on 0.33.0, the step's ``num_speculative_tokens`` (the scheduler's
+        budget after this step, as ``TreeVerifier.prepare`` got it)."""
         num_tokens = input_batch.num_tokens
         profiler = None if dummy_run else self.profiler
         if profiler is not None:
             profiler.mark("propose")
         # Budget 0: the scheduler verifies no drafts after this step.
-        no_drafts = not dummy_run and self._next_budget == 0
+        no_drafts = not dummy_run and (
+            self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0)
         if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
             # No drafts verified, none to draft: the drafter's context in one replay.
             self.verifier.end_step()
@@ -519,13 +519,14 @@ class DDTreeSpeculator(DFlashSpeculator):
             # attention metadata and the trees.
             self._store_drafter_context_only(
                 input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens,
+                next_prefill_tokens, temperature, seeds,
             )
             if not self._input_kernel_warm:
                 # The store ran vLLM's DFlash input kernel: an engine that starts with
                 # drafting off (a large batch) would otherwise compile its other block
                 # sizes at the first prompts of each length range.
-                self._warm_up_input_kernel(last_sampled, next_prefill_tokens)
+                self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
+                                           seeds)
             if profiler is not None:
                 profiler.mark("drafted")
             return self.draft_tokens[: input_batch.num_reqs]
@@ -544,18 +545,19 @@ class DDTreeSpeculator(DFlashSpeculator):
                 next_prefill_tokens,
                 temperature,
                 seeds,
-                num_tokens_across_dp=num_tokens_across_dp,
                 dummy_run=dummy_run,
                 skip_attn_for_dummy_run=skip_attn_for_dummy_run,
                 mm_inputs=mm_inputs,
                 is_profile=is_profile,
+                **pin_kwargs,
             )
         finally:
             self._profiling_draft = False
         if not dummy_run:
             self.verifier.store_trees(self.trees, input_batch.idx_mapping)
             if not self._input_kernel_warm:
-                self._warm_up_input_kernel(last_sampled, next_prefill_tokens)
+                self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
+                                           seeds)
         if profiler is not None:
             profiler.mark("drafted")
         return draft_tokens
@@ -593,6 +595,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         if depth < self.tree_depth:
             # The first `depth` masked positions of each request (request-major rows).
             rows = rows.view(num_reqs, self.tree_depth)[:, :depth].reshape(-1)
-        draft_logits = self.model.compute_logits(last_hidden_states[rows])
+        if self._candidate_head:
+            draft_logits = self.model.candidate_logits_processor(
+                self.model.lm_head, last_hidden_states[rows])
+        else:
+            draft_logits = self.model.compute_logits(last_hidden_states[rows])
         trees = build_trees(draft_logits.view(num_reqs, depth, -1), budget, top_k, out=out)
         self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]

@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
+from vllm_ddtree import pin_calls
 from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
@@ -306,21 +307,14 @@ class DDTreeSampler:
         if profiler is not None:
             profiler.mark("sample")
         num_nans = get_num_nans(logits) if sampler.compute_nans else None
-        return_logprobs = sampler.returns_logprobs(input_batch.idx_mapping_np)
+        return_logprobs = pin_calls.returns_logprobs(sampler, input_batch.idx_mapping_np)
         # pos = start + depth for tree rows (set by TreeVerifier.prepare), so seeded
         # Gumbel noise is keyed exactly as without speculation. With raw logprobs
         # asked for, vLLM's sampler processes a copy: ``logits`` stays raw.
         pos = input_batch.positions[input_batch.logits_indices]
         input_ids = input_batch.input_ids[input_batch.logits_indices]
-        node_samples, processed_logits = sampler.sample(
-            logits,
-            input_batch.expanded_idx_mapping,
-            input_batch.idx_mapping_np,
-            pos,
-            input_ids,
-            input_batch.expanded_local_pos,
-            return_logprobs=return_logprobs,
-        )
+        node_samples, processed_logits = pin_calls.sampler_sample(
+            sampler, logits, input_batch, pos, input_ids, return_logprobs)
 
         cu = input_batch.cu_num_logits
         idx_mapping = input_batch.idx_mapping
