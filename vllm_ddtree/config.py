@@ -879,6 +879,13 @@ TREE_EXACT_REQUEST_FIELDS = {
                                    "start-up",
     "_eos_token_id": "the scheduler's stop check and min_tokens",
     "_all_stop_token_ids": "the scheduler's stop check and min_tokens",
+    # vLLM 0.33.0's fields (absent on 0.26.0):
+    "stream_interval": "output processing (tokens batched per streamed output)",
+    "watermarking": "vLLM refuses a watermark configuration with method ddtree at "
+                    "start-up, so, as in any engine without one, the request runs "
+                    "unwatermarked",
+    "_watermarking_skipped": "set by the input processor after this check; request "
+                             "statistics only",
 }
 # Exact without drafts: these read the tokens before the sampled one (penalties and bad
 # words count the request's tokens plus a chain's earlier drafts; a grammar mask follows
@@ -902,6 +909,14 @@ TREE_WITHOUT_DRAFTS_REQUEST_FIELDS = {
 TREE_REFUSED_REQUEST_FIELDS = {
     "thinking_token_budget": "not supported by vLLM's V2 model runner, which DDTree "
                              "runs on",
+    # vLLM 0.33.0's fields (absent on 0.26.0):
+    "prompt_logprob_token_ids": "prompt logprobs (of given token ids) are not checked "
+                                "against decoding without speculation yet",
+    "prompt_logprob_start": "it selects the prompt rows of prompt_logprob_token_ids, "
+                            "which is refused",
+    "trace_decode_token_ids": "the tree sampler does not replay a forced token trace "
+                              "(vLLM's sampler applies it after sampling; the tree walk "
+                              "would ignore it)",
 }
 
 

@@ -41,6 +41,10 @@ def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_r
     manager.max_num_reqs = max_num_reqs
     manager.decode_query_len = decode_query_len
     manager.cudagraph_mode = mode
+    # vLLM 0.33.0's staging also reads these (varlen decode graphs and micro-batch
+    # twins, both off for DDTree's drafter-less target); 0.26.0 has neither.
+    manager.varlen_decode = False
+    manager.ubatch_runner = None
     manager.lora_capture_cases = [0]
     manager._lora_dispatch_map, manager._max_lora_case = {}, 0
     spec = None
@@ -50,8 +54,11 @@ def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_r
             num_speculative_tokens_per_batch_size=schedule,
             use_ddtree=lambda: ddtree_online, method="ddtree" if ddtree_online else "dflash",
             ddtree_online_budget=ddtree_online, num_speculative_tokens=num_spec)
-    manager.vllm_config = types.SimpleNamespace(speculative_config=spec,
-                                                num_speculative_tokens=num_spec)
+    # cache_config: vLLM 0.33.0 keeps mixed graphs within a recoverSSM workspace
+    # (use_kda_recoverssm, off here); 0.26.0 does not read it.
+    manager.vllm_config = types.SimpleNamespace(
+        speculative_config=spec, num_speculative_tokens=num_spec,
+        cache_config=types.SimpleNamespace(use_kda_recoverssm=False))
     manager._candidates, manager._capture_descs = {}, {}
     manager.use_breakable_cg = False
     manager._init_candidates()

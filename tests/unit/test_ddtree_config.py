@@ -29,8 +29,18 @@ from vllm_ddtree.config import (  # noqa: E402
     DDTreeConfigError,
     validate_ddtree_vllm_config,
 )
+from vllm_ddtree.reach_ins import PIN_0_26, installed_pin  # noqa: E402
 
 VOCAB = 1024
+PIN = installed_pin()
+
+
+def drafter_slots(depth: int) -> int:
+    """Slots the drafter's query takes in the target's batch per request: 0.26.0
+    reserves the query's depth - 1 mask positions beyond the budget (patch
+    spec-decode_ddtree-config); 0.33.0 drafts DFlash (and so DDTree) in a separate
+    query pass and reserves none."""
+    return depth - 1 if PIN == PIN_0_26 else 0
 
 
 def _write_config(path, **fields):
@@ -97,8 +107,8 @@ def test_valid_config_resolves_defaults(model_dirs, target_config):
     assert spec.parallel_drafting
     # The drafter is loaded as a DFlash drafter.
     assert spec.draft_model_config.hf_config.architectures == ["DFlashDraftModel"]
-    # The drafter adds its block, not the tree budget, to the batch.
-    assert spec.max_num_new_slots_for_drafting == 14
+    # The drafter adds its block (on 0.26.0), not the tree budget, to the batch.
+    assert spec.max_num_new_slots_for_drafting == drafter_slots(15)
 
 
 def test_explicit_depth_and_top_k(model_dirs, target_config):
@@ -110,7 +120,7 @@ def test_explicit_depth_and_top_k(model_dirs, target_config):
         ddtree_top_k=4,
     )
     assert (spec.ddtree_max_depth, spec.ddtree_top_k) == (6, 4)
-    assert spec.max_num_new_slots_for_drafting == 5
+    assert spec.max_num_new_slots_for_drafting == drafter_slots(6)
 
 
 @pytest.mark.parametrize(
@@ -366,6 +376,8 @@ def test_pipeline_parallelism_is_refused(target_config, spec32, monkeypatch):
         validate_ddtree_vllm_config(cfg)
 
 
+@pytest.mark.skipif(PIN != PIN_0_26, reason="KV sharing fast prefill forces the V1 "
+                    "runner on vLLM 0.26.0 only; 0.33.0's V2 runner supports it")
 def test_features_that_force_the_v1_runner_are_refused(
     target_config, spec32, monkeypatch
 ):
@@ -373,6 +385,16 @@ def test_features_that_force_the_v1_runner_are_refused(
     cfg = _engine_config(target_config, spec32)
     cfg.cache_config.kv_sharing_fast_prefill = True
     with pytest.raises(DDTreeConfigError, match="KV sharing fast prefill"):
+        validate_ddtree_vllm_config(cfg)
+
+
+def test_what_the_v2_runner_does_not_support_is_refused(target_config, spec32, monkeypatch):
+    """On any pin: the features vLLM's own list says the V2 runner lacks are named."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    cfg = _engine_config(target_config, spec32)
+    validate_ddtree_vllm_config(cfg)
+    cfg._get_v2_model_runner_unsupported_features = lambda: ["feature A", "feature B"]
+    with pytest.raises(DDTreeConfigError, match="does not support: feature A, feature B"):
         validate_ddtree_vllm_config(cfg)
 
 
