@@ -80,7 +80,26 @@ def model_dirs(tmp_path_factory):
         dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
         **_qwen3_fields(num_hidden_layers=1),
     )
-    return dict(target=target, drafter=drafter, not_dflash=not_dflash, no_block=no_block)
+    # A tiny random DFlash2 drafter (vLLM 0.33.0's DFlash2Qwen3ForCausalLM): block 8,
+    # grouped convolutions and a candidate selector of top 8.
+    dflash2 = _write_config(
+        root / "dflash2",
+        architectures=["DFlash2DraftModel"],
+        block_size=8,
+        dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2], conv_kernel_size=3,
+                           conv_group_size=16, selector_rank=8, selector_top_k=8),
+        **_qwen3_fields(num_hidden_layers=1),
+    )
+    beam = _write_config(
+        root / "dflash2-beam",
+        architectures=["DFlash2BeamDraftModel"],
+        block_size=8,
+        dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2], conv_kernel_size=3,
+                           conv_group_size=16, selector_rank=8, selector_top_k=8),
+        **_qwen3_fields(num_hidden_layers=1),
+    )
+    return dict(target=target, drafter=drafter, not_dflash=not_dflash, no_block=no_block,
+                dflash2=dflash2, dflash2_beam=beam)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +140,70 @@ def test_explicit_depth_and_top_k(model_dirs, target_config):
     )
     assert (spec.ddtree_max_depth, spec.ddtree_top_k) == (6, 4)
     assert spec.max_num_new_slots_for_drafting == drafter_slots(6)
+
+
+ON_0_33 = pytest.mark.skipif(
+    PIN == PIN_0_26, reason="vLLM 0.26.0 has no DFlash2 drafters (DFlash2DraftModel came "
+    "with the 0.33.0 pin)")
+
+
+@ON_0_33
+def test_a_dflash2_drafter_takes_its_block_for_the_depth(model_dirs, target_config):
+    spec = _spec(target_config, model_dirs["dflash2"], num_speculative_tokens=32)
+    assert spec.use_ddtree() and spec.use_dflash()
+    assert spec.draft_model_config.hf_config.architectures == ["DFlash2DraftModel"]
+    assert spec.ddtree_max_depth == 7  # block_size 8 - 1
+    assert spec.ddtree_top_k == 32  # the trees take full per-position logits
+    assert spec.max_num_new_slots_for_drafting == drafter_slots(7)
+
+
+@ON_0_33
+def test_a_dflash2_drafter_bounds_the_depth_by_its_block(model_dirs, target_config):
+    spec = _spec(target_config, model_dirs["dflash2"], num_speculative_tokens=16,
+                 ddtree_max_depth=4)
+    assert spec.ddtree_max_depth == 4
+    with pytest.raises(ValueError, match="ddtree_max_depth=8 is out of range"):
+        _spec(target_config, model_dirs["dflash2"], num_speculative_tokens=16,
+              ddtree_max_depth=8)
+
+
+@ON_0_33
+def test_a_dflash2_engine_config_passes_ddtree_checks(model_dirs, target_config, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    spec = _spec(target_config, model_dirs["dflash2"], num_speculative_tokens=32)
+    validate_ddtree_vllm_config(_engine_config(target_config, spec))
+
+
+@pytest.mark.skipif(PIN != PIN_0_26, reason="the refusal on a pin without DFlash2 "
+                    "drafters; 0.33.0 serves them")
+def test_a_dflash2_drafter_is_refused_at_start_up_on_0_26(model_dirs, target_config):
+    # vLLM 0.26.0 refuses the architecture itself while building the drafter's
+    # ModelConfig, before DDTree's hook (whose own message names the 0.33.0 pin).
+    with pytest.raises(ValueError, match=r"\['DFlash2DraftModel'\] are not supported"):
+        _spec(target_config, model_dirs["dflash2"], num_speculative_tokens=32)
+
+
+@ON_0_33
+def test_other_candidate_head_drafters_are_refused(model_dirs, target_config):
+    with pytest.raises(ValueError, match="DFlash2BeamDraftModel drafter; DDTree drives"):
+        _spec(target_config, model_dirs["dflash2_beam"], num_speculative_tokens=32)
+
+
+def test_ddtrees_own_dflash2_refusal_names_the_pins(monkeypatch):
+    """Where the drafter's config gets through (a DFlash2 config on a pin without
+    DFlash2 drafters), DDTree's check names the pins that serve them."""
+    from vllm_ddtree import config as ddtree_config
+    from vllm_ddtree import reach_ins
+
+    hf = types.SimpleNamespace(architectures=["DFlash2DraftModel"])
+    monkeypatch.setattr(reach_ins, "installed_pin", lambda: PIN_0_26)
+    with pytest.raises(DDTreeConfigError, match=r"serves on vLLM 0.33.0 only; the "
+                       r"installed vLLM is 0.26.0 \(set it up with DDTREE_VLLM=0.33.0"):
+        ddtree_config._check_drafter_kind(hf, "d2")
+    monkeypatch.setattr(reach_ins, "installed_pin", lambda: "0.33.0")
+    ddtree_config._check_drafter_kind(hf, "d2")
+    ddtree_config._check_drafter_kind(types.SimpleNamespace(architectures=["DFlashDraftModel"]),
+                                      "d1")
 
 
 @pytest.mark.parametrize(
