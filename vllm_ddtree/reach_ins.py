@@ -92,7 +92,7 @@ REACH_INS: tuple[ReachIn, ...] = (
            "speculative_config compilation_config scheduler_config model_config "
            "parallel_config cache_config attention_config observability_config "
            "use_v2_model_runner",
-           "speculator.py, config.py, cost_model.py, flash_attn_graphs.py",
+           "dflash_tree_drafter.py, config.py, cost_model.py, flash_attn_graphs.py",
            "the sub-configs DDTree validates and adjusts at start-up",
            "never (public configuration)"),
     _attrs("vllm.config.speculative", "SpeculativeConfig",
@@ -100,7 +100,7 @@ REACH_INS: tuple[ReachIn, ...] = (
            "draft_model_config target_model_config rejection_sample_method "
            "max_num_new_slots_for_drafting ddtree_max_depth ddtree_top_k "
            "ddtree_tokens_per_step ddtree_disable_by_batch_size",
-           "speculator.py, config.py, cost_model.py",
+           "dflash_tree_drafter.py, config.py, cost_model.py",
            "the budget (num_speculative_tokens), vLLM's dynamic schedule by batch "
            "size, which the speculator sets to None around the drafter's graph "
            "manager (init_cudagraph_manager) and cost_model.py writes; ddtree_* are "
@@ -109,14 +109,14 @@ REACH_INS: tuple[ReachIn, ...] = (
     _attrs("vllm.config.compilation", "CompilationConfig",
            "static_forward_context cudagraph_capture_sizes cudagraph_mode "
            "max_cudagraph_capture_size",
-           "speculator.py (target KV caches by layer name, context-store graph "
+           "dflash_tree_drafter.py (target KV caches by layer name, context-store graph "
            "sizes), config.py, cost_model.py",
            "the target's attention layers (their kv_cache) and the CUDA graph sizes",
            "vLLM hands a speculator the target's KV caches (then static_forward_context "
            "goes)"),
     ReachIn("vllm.config.compilation", "CUDAGraphMode", "members",
             ("NONE", "FULL", "FULL_AND_PIECEWISE"),
-            "speculator.py, config.py",
+            "dflash_tree_drafter.py, config.py",
             "graph modes: FULL entries of the drafter's graph manager, DDTree's FULL "
             "default for joining requests", "never (public enum)"),
     _attrs("vllm.config.model", "ModelConfig",
@@ -162,7 +162,7 @@ REACH_INS: tuple[ReachIn, ...] = (
            "the per-request allowlist classifies SamplingParams' fields "
            "(tests/unit/test_ddtree_requests.py checks that every field is classified)",
            "the tree sampler supports every sampling parameter"),
-    _sig("vllm.logger", "init_logger", "name", "speculator.py",
+    _sig("vllm.logger", "init_logger", "name", "dflash_tree_drafter.py",
          "the speculator logs under vLLM's logger tree", "never (public)"),
     _sig("vllm.model_executor.models", "ModelRegistry.resolve_model_cls",
          "architectures model_config", "config.py",
@@ -192,12 +192,12 @@ REACH_INS: tuple[ReachIn, ...] = (
     _attrs("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", "layer_names kv_cache_spec",
            "kv_layout.py", "the layers and spec of each KV-cache group", "never"),
     _attrs("vllm.v1.worker.utils", "AttentionGroup",
-           "backend layer_names metadata_builders", "tree_attention.py, speculator.py",
+           "backend layer_names metadata_builders", "tree_attention.py, dflash_tree_drafter.py",
            "points the target's metadata builders at the tree-bias buffer and lists the "
            "target's layers for KV compaction",
            "vLLM passes a tree mask through attention metadata itself"),
     _attrs("vllm.model_executor.layers.attention", "Attention", "kv_cache",
-           "speculator.py (_target_kv_caches)",
+           "dflash_tree_drafter.py (_target_kv_caches)",
            "KV compaction moves the accepted path's KV in every target layer's cache",
            "vLLM hands a speculator the target's KV caches"),
     # ------------------------------------------------------------ V2 model runner
@@ -205,12 +205,12 @@ REACH_INS: tuple[ReachIn, ...] = (
            "num_reqs num_tokens idx_mapping idx_mapping_np expanded_idx_mapping "
            "expanded_local_pos num_scheduled_tokens num_draft_tokens query_start_loc "
            "seq_lens input_ids positions logits_indices cu_num_logits",
-           "speculator.py, dflash_input_warmup.py (OneRequestBatch mimics the fields "
+           "dflash_tree_drafter.py, dflash_input_warmup.py (OneRequestBatch mimics the fields "
            "prepare_dflash_inputs reads)",
            "tree positions, the walk's logit rows and KV compaction read the step's batch",
            "never (the runner's step input)"),
     _attrs("vllm.v1.worker.gpu.input_batch", "InputBuffers", "positions",
-           "speculator.py (decode context-store graphs)",
+           "dflash_tree_drafter.py (decode context-store graphs)",
            "the runner's persistent positions buffer the budget-0 graphs read", "never"),
     _sig("vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected",
          "num_sampled seq_lens cu_num_logits idx_mapping prefill_len",
@@ -267,7 +267,7 @@ REACH_INS: tuple[ReachIn, ...] = (
            "get_num_sampled_and_rejected needs the prompt lengths", "never"),
     _attrs("vllm.v1.worker.gpu.block_table", "BlockTables",
            "slot_mappings input_block_tables",
-           "speculator.py (decode context graphs), pin_calls.py (prepare_dflash_inputs)",
+           "dflash_tree_drafter.py (decode context graphs), pin_calls.py (prepare_dflash_inputs)",
            "the drafter groups' slot mappings and block tables for prepare_dflash_inputs",
            _DFLASH_DROP),
     _attrs("vllm.v1.worker.gpu.block_table", "BlockTables", "kernel_block_sizes",
@@ -293,13 +293,13 @@ REACH_INS: tuple[ReachIn, ...] = (
          "never (public executor API)"),
     _sig("vllm.v1.spec_decode.dynamic.utils", "build_dynamic_sd_schedule_lookup",
          "num_speculative_tokens_per_batch_size vllm_max_batch_size "
-         "vllm_num_speculative_tokens", "speculator.py (_scheduler_budget_lookup)",
+         "vllm_num_speculative_tokens", "dflash_tree_drafter.py (_scheduler_budget_lookup)",
          "the scheduler's budget by batch size, computed the scheduler's way", "never"),
     ReachIn("vllm.distributed.parallel_state", "graph_capture", "keywords", ("device",),
-         "speculator.py (capture, by keyword)", "captures the context-store graphs in vLLM's capture "
+         "dflash_tree_drafter.py (capture, by keyword)", "captures the context-store graphs in vLLM's capture "
          "context", "vLLM captures the drafter's context store itself"),
     _attrs("vllm.platforms", "current_platform", "get_global_graph_pool",
-           "speculator.py (capture)", "the context-store graphs share vLLM's graph pool",
+           "dflash_tree_drafter.py (capture)", "the context-store graphs share vLLM's graph pool",
            "vLLM captures the drafter's context store itself"),
     # --------------------------------------------------------------- DFlash drafter
     _attrs(_SPEC, "DFlashSpeculator",
@@ -310,16 +310,16 @@ REACH_INS: tuple[ReachIn, ...] = (
            "_context_slot_mappings _layer_group_idx input_buffers block_tables "
            "draft_kv_cache_group_ids parallel_drafting_token_id sample_from_anchor "
            "query_cudagraph_manager",
-           "speculator.py (DDTreeSpeculator subclasses it)",
+           "dflash_tree_drafter.py (DDTreeSpeculator subclasses it)",
            "DDTree reuses DFlash's drafter, buffers and graphs, and replaces sampling the "
            "drafts with building trees", _DFLASH_DROP),
-    _sig(_SPEC, "DFlashSpeculator.__init__", "self vllm_config device", "speculator.py",
+    _sig(_SPEC, "DFlashSpeculator.__init__", "self vllm_config device", "dflash_tree_drafter.py",
          "DDTreeSpeculator.__init__ calls it first", _DFLASH_DROP),
     _sig(_SPEC, "DFlashSpeculator.propose",
          "self input_batch attn_metadata slot_mappings last_hidden_states "
          "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
          "temperature seeds num_tokens_across_dp dummy_run skip_attn_for_dummy_run "
-         "mm_inputs is_profile", "speculator.py (propose overrides and calls it)",
+         "mm_inputs is_profile", "dflash_tree_drafter.py (propose overrides and calls it)",
          "compaction before, trees after DFlash's drafting (the data-parallel argument "
          "passes through by keyword)", _DFLASH_DROP, pins=(PIN_0_26,)),
     _sig(_SPEC, "DFlashSpeculator.propose",
@@ -327,12 +327,12 @@ REACH_INS: tuple[ReachIn, ...] = (
          "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
          "temperature seeds dp_sync_state dummy_run skip_attn_for_dummy_run "
          "mm_inputs is_profile num_speculative_tokens",
-         "speculator.py (propose overrides and calls it)",
+         "dflash_tree_drafter.py (propose overrides and calls it)",
          "as on 0.26.0; dp_sync_state and the step's num_speculative_tokens pass through "
          "by keyword (0 means no drafts, as DDTree's own budget 0)", _DFLASH_DROP,
          pins=(PIN_0_33,)),
     _attrs(_SPEC, "DFlashSpeculator", "_aux_staging temperature seeds dcp_size",
-           "speculator.py (__init__), pin_calls.py (prepare_dflash_inputs)",
+           "dflash_tree_drafter.py (__init__), pin_calls.py (prepare_dflash_inputs)",
            "DDTree combines and compacts the target's hidden states before DFlash's "
            "propose and hands it no auxiliary states, so the FULL drafter graph must "
            "read the combined states (_aux_staging off); the drafter's sampling copies "
@@ -340,24 +340,24 @@ REACH_INS: tuple[ReachIn, ...] = (
            _DFLASH_DROP, pins=(PIN_0_33,)),
     _sig(_SPEC, "DFlashSpeculator._generate_draft",
          "self num_reqs num_tokens_padded attn_metadata slot_mappings num_tokens_across_dp "
-         "cudagraph_runtime_mode", "speculator.py (_generate_draft overrides it)",
+         "cudagraph_runtime_mode", "dflash_tree_drafter.py (_generate_draft overrides it)",
          "the drafter's logits go to the tree builder instead of a sampler (runs inside "
          "DFlash's drafter graphs)",
          "vLLM splits drafting into forward + draft selection (a hook a tree builder can "
          "fill)"),
     _sig(_SPEC, "DFlashSpeculator._run_model",
          "self num_tokens attn_metadata slot_mappings num_tokens_across_dp "
-         "cudagraph_runtime_mode", "speculator.py (_generate_draft)",
+         "cudagraph_runtime_mode", "dflash_tree_drafter.py (_generate_draft)",
          "the drafter's forward, reused as is", "as _generate_draft"),
     _sig(_SPEC, "DFlashSpeculator.set_attn",
          "self model_state kv_cache_config block_tables target_input_buffers "
-         "target_attn_groups", "speculator.py (set_attn overrides it)",
+         "target_attn_groups", "dflash_tree_drafter.py (set_attn overrides it)",
          "registers the tree-bias buffer with the target's attention groups", _DFLASH_DROP),
     _sig(_SPEC, "DFlashSpeculator.init_cudagraph_manager", "self cudagraph_mode",
-         "speculator.py", "built without the batch-size schedule (the drafter's query is "
+         "dflash_tree_drafter.py", "built without the batch-size schedule (the drafter's query is "
          "1 + depth tokens whatever the budget)",
          "vLLM derives drafter query lengths per method"),
-    _sig(_SPEC, "DFlashSpeculator.capture", "self", "speculator.py",
+    _sig(_SPEC, "DFlashSpeculator.capture", "self", "dflash_tree_drafter.py",
          "the context-store graphs are captured after DFlash's", _DFLASH_DROP),
     _sig(_SPEC, "prepare_dflash_inputs",
          "input_buffers query_slot_mapping context_positions context_slot_mapping "
@@ -402,29 +402,29 @@ REACH_INS: tuple[ReachIn, ...] = (
             pins=(PIN_0_33,)),
     _attrs("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM",
            "precompute_and_store_context_kv combine_hidden_states compute_logits model",
-           "speculator.py (the drafter model: self.model)",
+           "dflash_tree_drafter.py (the drafter model: self.model)",
            "context store (also replaced by its CUDA graphs), aux-state combine, logits "
            "of the masked positions", _DFLASH_DROP),
     _sig("vllm.model_executor.models.qwen3_dflash",
          "DFlashQwen3ForCausalLM.precompute_and_store_context_kv",
          "self context_states context_positions context_slot_mapping",
-         "speculator.py, context_store_graphs.py (captured and replayed)",
+         "dflash_tree_drafter.py, context_store_graphs.py (captured and replayed)",
          "the drafter's context KV store, called positionally", _DFLASH_DROP),
     _attrs("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3Model",
-           "fc use_aux_hidden_state", "speculator.py (_decode_context_graphs_for)",
+           "fc use_aux_hidden_state", "dflash_tree_drafter.py (_decode_context_graphs_for)",
            "the width of the auxiliary states a budget-0 decode graph takes (fc.input_size)",
            _DFLASH_DROP),
     _attrs("vllm.model_executor.models.qwen3_dflash2", "DFlash2Qwen3ForCausalLM",
-           "candidate_logits_processor lm_head", "speculator.py (_generate_draft)",
+           "candidate_logits_processor lm_head", "dflash_tree_drafter.py (_generate_draft)",
            "a DFlash2 drafter's per-position logits for the tree: its LM head through "
            "the candidate head's logits processor (output scale, soft cap)",
            _DFLASH_DROP, pins=DFLASH2_PINS),
     _sig("vllm.model_executor.layers.logits_processor", "LogitsProcessor.forward",
          "self lm_head hidden_states embedding_bias skip_gather",
-         "speculator.py (_generate_draft, DFlash2 drafters)",
+         "dflash_tree_drafter.py (_generate_draft, DFlash2 drafters)",
          "called with (lm_head, hidden_states)", _DFLASH_DROP, pins=DFLASH2_PINS),
     _attrs("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "_capture_descs",
-           "speculator.py (_drafter_graph_batch_sizes)",
+           "dflash_tree_drafter.py (_drafter_graph_batch_sizes)",
            "the request counts of the drafter's FULL graphs, for the lean drafting budget "
            "(a dict by CUDAGraphMode of descriptors with num_reqs)",
            "the graph manager exposes its captured batch sizes"),

@@ -27,7 +27,7 @@ def test_schedule_breaks_the_drafter_query_lengths():
 def test_ddtree_builds_the_drafter_manager_without_the_schedule(monkeypatch):
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     schedule = budget_schedule(512, 64)
     spec = types.SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)

@@ -126,38 +126,40 @@ def test_vllms_kernel_runs_on_the_warm_up_batches(vllm_triton, triton_device):
 
 
 def _speculator(prepare_calls, fail=False):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU, no engine
     spec.num_query_per_req, spec.max_num_tokens, spec.device = 16, 64, torch.device("cpu")
     spec._input_kernel_warm = False
 
-    def prepare(batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens):
+    def prepare(batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens,
+                temperature, seeds):
         if fail:
             raise RuntimeError("no such kernel")
-        prepare_calls.append((batch.num_tokens, last_sampled, next_prefill_tokens))
+        prepare_calls.append((batch.num_tokens, last_sampled, next_prefill_tokens,
+                              temperature, seeds))
 
     spec._prepare_drafter_inputs = prepare
     return spec
 
 
 def test_speculator_warm_up_uses_its_own_prepare_call(caplog):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     calls = []
     spec = _speculator(calls)
     with caplog.at_level(logging.INFO):
-        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next")
-    assert calls == [(1, "last", "next"), (17, "last", "next"), (49, "last", "next")]
+        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next", "temp", "seeds")
+    assert calls == [(n, "last", "next", "temp", "seeds") for n in (1, 17, 49)]
     assert spec._input_kernel_warm
     assert "block sizes [32, 64, 128]" in caplog.text
 
 
 def test_a_failed_warm_up_is_a_warning_not_an_error(caplog):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     spec = _speculator([], fail=True)
     with caplog.at_level(logging.WARNING):
-        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next")
+        DDTreeSpeculator._warm_up_input_kernel(spec, "last", "next", "temp", "seeds")
     assert spec._input_kernel_warm  # not tried again at every step
     assert "no such kernel" in caplog.text and "compile at first use" in caplog.text

@@ -127,7 +127,7 @@ def test_the_speculator_refuses_the_layout_when_it_learns_it():
     at start-up) runs the guard before anything else."""
     from vllm.config import CompilationConfig
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     specs = {name: (_sliding() if i % 2 == 0 else _full()) for i, name in enumerate(_names(4))}
     config, attn_groups = _layout(specs)

@@ -108,12 +108,13 @@ vllm = pytest.importorskip("vllm")
 
 
 def _fake_speculator(drafting_budget, *, max_reqs=6, budget=64, depth=15, top_k=64, vocab=40):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     gen = torch.Generator().manual_seed(11)
     hidden_size = 12
     query = 1 + depth
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # no GPU, no engine
+    spec._candidate_head = False  # a DFlash drafter (no DFlash2 candidate head)
     spec.tree_budget, spec.tree_depth, spec.tree_top_k = budget, depth, top_k
     spec.max_num_reqs = max_reqs
     spec.trees = empty_tree(max_reqs, budget, "cpu")
@@ -142,7 +143,7 @@ def _fake_speculator(drafting_budget, *, max_reqs=6, budget=64, depth=15, top_k=
 
 
 def _draft(spec, num_reqs):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * (1 + spec.tree_depth),
                                      None, None, None)
@@ -194,9 +195,11 @@ def test_memory_profiling_drafts_the_full_tree():
 def test_drafter_graph_sizes_are_read_from_vllms_manager():
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+
+    spec._candidate_head = False  # a DFlash drafter (no DFlash2 candidate head)
     spec.max_num_reqs = 32
     desc = lambda n: types.SimpleNamespace(num_reqs=n)  # noqa: E731
     spec.query_cudagraph_manager = types.SimpleNamespace(_capture_descs={
@@ -219,7 +222,7 @@ def test_budget_ranges_for_the_log():
 def _context_only_fake(monkeypatch, budget_by_batch):
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_module
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
     from vllm_ddtree.tree_verifier import TreeVerifier
 
     calls = {"prepare": [], "store": [], "super": 0}
@@ -232,6 +235,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
 
     monkeypatch.setattr(dflash_module.DFlashSpeculator, "propose", super_propose)
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec._candidate_head = False  # a DFlash drafter (no DFlash2 candidate head)
     spec.tree_budget, spec.max_num_reqs = 8, 4
     spec._budget_by_batch = budget_by_batch
     spec._drafting_budget = budget_by_batch
@@ -275,7 +279,7 @@ def _schedule_next(spec, num_reqs):
 
 
 def _propose(spec, num_reqs, hidden):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=hidden.shape[0],
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs]))
@@ -304,13 +308,13 @@ def test_dflash_input_kernel_warms_up_after_the_first_step_that_ran_it(monkeypat
     """A budget-0 step's context store runs vLLM's DFlash input kernel too: an engine
     that starts with drafting off warms it up there, once; vLLM's dummy runs do not
     count."""
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
     spec._input_kernel_warm = False
     warm_ups = []
 
-    def warm_up(last_sampled, next_prefill_tokens):
+    def warm_up(last_sampled, next_prefill_tokens, temperature, seeds):
         warm_ups.append((calls["super"], len(calls["prepare"])))
         spec._input_kernel_warm = True
 
@@ -334,7 +338,7 @@ def test_dflash_input_kernel_warms_up_after_the_first_drafting_step(monkeypatch)
     spec._input_kernel_warm = False
     warm_ups = []
 
-    def warm_up(last_sampled, next_prefill_tokens):
+    def warm_up(last_sampled, next_prefill_tokens, temperature, seeds):
         warm_ups.append(calls["super"])  # how many drafting steps had run by then
         spec._input_kernel_warm = True
 
@@ -359,7 +363,7 @@ def _decode_graph_fake(spec, calls, positions):
 
 
 def _propose_aux(spec, num_reqs, num_tokens, positions):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     # int32, as the runner's idx_mapping.
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
@@ -423,9 +427,11 @@ def test_lean_drafting_is_opt_in(monkeypatch):
 
 
 def _decode_graph_spec(budget_by_batch, use_aux=True, layer_group_idx=None):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+
+    spec._candidate_head = False  # a DFlash drafter (no DFlash2 candidate head)
     spec._budget_by_batch = budget_by_batch
     spec.online_budget = False
     spec.max_num_reqs = 8

@@ -126,7 +126,7 @@ def test_a_missing_method_and_attribute_are_named_in_one_error(monkeypatch):
     assert "vllm.v1.worker.gpu.sample.sampler:Sampler.sample (signature" in message
     assert "expected it to exist, found none (AttributeError" in message
     assert ("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager (attributes; used in "
-            "speculator.py (_drafter_graph_batch_sizes)): expected attributes "
+            "dflash_tree_drafter.py (_drafter_graph_batch_sizes)): expected attributes "
             "['_capture_descs'], missing ['_capture_descs']") in message
     assert "3 reach-in(s)" in message
 
@@ -185,7 +185,7 @@ def test_the_start_up_check_runs_once_per_process(monkeypatch):
 
 
 def test_the_speculator_checks_at_start_up(monkeypatch):
-    from vllm_ddtree import speculator
+    from vllm_ddtree import dflash_tree_drafter as speculator
 
     def refuse():
         raise ReachInError("checked")
