@@ -199,9 +199,11 @@ case "$step" in
     echo "cost-model timer tests rc=$?"; tail -2 "$OUT/gpu-cost-model-timer-tests.log"
     # COST_PROFILE=0: no step profile (its events cost DDTree host time; goal runs);
     # COST_REPEATS, COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
+    cost_profile=(--profile-dir "$OUT")
+    [ "${COST_PROFILE:-1}" = 0 ] && cost_profile=()
     # shellcheck disable=SC2086  # lists of words
     timeout "${COST_TIMEOUT_S:-500}" python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" \
-      $([ "${COST_PROFILE:-1}" = 0 ] || echo --profile-dir "$OUT") \
+      "${cost_profile[@]}" \
       ${COST_CONFIGS:+--configs $COST_CONFIGS} ${COST_REPEATS:+--repeats $COST_REPEATS} \
       ${COST_ENGINE_ROUNDS:+--engine-rounds $COST_ENGINE_ROUNDS} \
       ${COST_MAX_TOKENS:+--max-tokens $COST_MAX_TOKENS} \
