@@ -56,6 +56,10 @@ cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-/tmp/ddtree-out}"
 mkdir -p "$OUT"
 VLLM_SITE="${DDTREE_VLLM_SITE:-/opt/vllm-site}"
+# A runtime that carries its own torch (vLLM 0.33.0's, tools/gpu-runtime) ships the
+# environment the host needs for it (PYTHONPATH, LD_LIBRARY_PATH, cuDNN check).
+# shellcheck disable=SC1091  # the staged runtime's file
+if [ -f "$VLLM_SITE/ddtree-env.sh" ]; then . "$VLLM_SITE/ddtree-env.sh" || exit 1; fi
 FIXTURE="${DDTREE_FIXTURE:-/opt/smollm2-fixture}"
 STATE="${DDTREE_STATE:-/opt}"
 FUSED_VERDICT="$STATE/ddtree-fused-kernels"
