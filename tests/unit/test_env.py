@@ -37,13 +37,13 @@ def test_other_values_are_refused_naming_the_variable(monkeypatch, value):
 
 def test_every_switch_uses_it(monkeypatch):
     pytest.importorskip("vllm")
-    from vllm_ddtree import _triton, context_store_graphs, env, speculator
+    from vllm_ddtree import _triton, context_store_graphs, dflash_tree_drafter, env
 
     for name, read in ((env.DIRECT_LAUNCH.name, _triton.direct_launch_enabled),
                        (env.CONTEXT_GRAPHS.name,
                         context_store_graphs.context_graphs_enabled),
-                       (env.FUSED_KERNELS.name, speculator.fused_kernels_enabled),
-                       (env.LEAN_DRAFT.name, speculator.lean_draft_enabled)):
+                       (env.FUSED_KERNELS.name, dflash_tree_drafter.fused_kernels_enabled),
+                       (env.LEAN_DRAFT.name, dflash_tree_drafter.lean_draft_enabled)):
         monkeypatch.setenv(name, "perhaps")
         with pytest.raises(ValueError, match=name):
             read()
