@@ -844,7 +844,8 @@ def check_bad_requests(run: Run, base: str) -> None:
 # decoded without drafts), each sent at T=0 and at T=1 with a seed, streamed and not, all
 # at once so that they share batches with ordinary requests; then compared token for
 # token (and logprob for logprob) with decoding without speculation offline.
-FEATURE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}},
+# A bounded string, so that the object fits in the grammar request's token budget.
+FEATURE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}},
                   "required": ["name"]}
 FEATURE_SETTINGS = (
     ("ordinary", {}),
@@ -853,11 +854,12 @@ FEATURE_SETTINGS = (
     ("repetition_frequency_penalties", {"repetition_penalty": 1.2, "frequency_penalty": 0.3}),
     ("bad_words", {"bad_words": [" the"]}),
     ("structured_output_json", {"structured_outputs": {"json": FEATURE_SCHEMA}}),
-    # Computed at prefill; answered in a non-streamed choice only (vLLM streams them
-    # with echo alone).
+    # Computed at prefill; vLLM answers them in a non-streamed choice only (a streamed
+    # request with them is refused with 400, with or without speculation).
     ("prompt_logprobs", {"prompt_logprobs": 1}),
 )
 FEATURE_MAX_TOKENS = 24
+GRAMMAR_MAX_TOKENS = 64  # the model may emit whitespace the JSON grammar allows
 # The request fields the offline reference passes to SamplingParams as they are.
 FEATURE_SAMPLING_FIELDS = ("temperature", "seed", "max_tokens", "ignore_eos", "logprobs",
                            "prompt_logprobs", "presence_penalty", "repetition_penalty",
@@ -873,9 +875,12 @@ def feature_requests(model: str) -> list[dict]:
     for name, extra in FEATURE_SETTINGS:
         for temp in (0.0, 1.0):
             for stream in (False, True):
+                if stream and "prompt_logprobs" in extra:
+                    continue
                 i = len(out)
                 body = {"model": model, "prompt": prompts[i % len(prompts)],
-                        "max_tokens": FEATURE_MAX_TOKENS, "temperature": temp,
+                        "max_tokens": (GRAMMAR_MAX_TOKENS if "structured_outputs" in extra
+                                       else FEATURE_MAX_TOKENS), "temperature": temp,
                         "return_token_ids": True, **extra}
                 if temp:
                     body["seed"] = 1000 + i
@@ -885,7 +890,7 @@ def feature_requests(model: str) -> list[dict]:
                     body.update(stream=True, stream_options={"include_usage": True})
                 out.append({"name": name, "temperature": temp, "stream": stream, "body": body,
                             "logprobs": extra.get("logprobs"),
-                            "prompt_logprobs": bool(extra.get("prompt_logprobs")) and not stream,
+                            "prompt_logprobs": bool(extra.get("prompt_logprobs")),
                             "json_field": "name" if "structured_outputs" in extra else None})
     return out
 
@@ -902,7 +907,7 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
     rec = {"name": req["name"], "temperature": req["temperature"], "stream": req["stream"],
            "status": status, "text": None, "token_ids": None, "prompt_token_ids": None,
            "token_logprobs": None, "top_counts": None, "prompt_token_logprobs": None,
-           "message": error_message(body) if status != 200 else None}
+           "finish_reason": None, "message": error_message(body) if status != 200 else None}
     if status != 200:
         return rec
     if events is None:
@@ -912,16 +917,17 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
             choices = [{}]
     else:
         choices = [c for e in events if isinstance(e, dict) for c in (e.get("choices") or [])]
-    text, ids, prompt_ids, lps, tops, prompt_lps = [], [], None, [], [], None
+    text, ids, prompt_ids, lps, tops, prompt_lps, finish = [], [], None, [], [], None, None
     for c in choices:
         prompt_lps = prompt_lps or c.get("prompt_logprobs")
+        finish = c.get("finish_reason") or finish
         text.append(c.get("text") or "")
         ids += c.get("token_ids") or []
         prompt_ids = prompt_ids or c.get("prompt_token_ids")
         lp = c.get("logprobs") or {}
         lps += lp.get("token_logprobs") or []
         tops += [len(t or {}) for t in lp.get("top_logprobs") or []]
-    rec.update(text="".join(text), token_ids=ids, prompt_token_ids=prompt_ids,
+    rec.update(text="".join(text), token_ids=ids, prompt_token_ids=prompt_ids, finish_reason=finish,
                token_logprobs=lps if req["logprobs"] else None,
                top_counts=tops if req["logprobs"] else None)
     if req.get("prompt_logprobs") and prompt_lps and prompt_ids:
@@ -957,6 +963,24 @@ async def _send_features(base: str, reqs: list[dict], timeout_s: float) -> list[
         return list(await asyncio.gather(*(one(session, r) for r in reqs)))
 
 
+# What may follow a JSON object cut off by the token limit, to close it again.
+_JSON_CLOSERS = ("", "}", '"}', '""}', ':""}', '":""}')
+
+
+def json_answer_ok(text: str | None, field: str, finish_reason: str | None) -> bool:
+    """A grammar-constrained answer: a JSON object with ``field`` when it stopped on
+    its own; when it hit the token limit, a prefix of one (some closer completes it)."""
+    closers = _JSON_CLOSERS if finish_reason == "length" else ("",)
+    for closer in closers:
+        try:
+            parsed = json.loads((text or "").rstrip() + closer)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and (field in parsed or closer):
+            return True
+    return False
+
+
 def check_features(run: Run, base: str) -> None:
     reqs = feature_requests(SERVED_MODEL_NAME)
     records = asyncio.run(_send_features(base, reqs, run.args.request_timeout))
@@ -971,11 +995,7 @@ def check_features(run: Run, base: str) -> None:
             ok = (len(vals) == len(rec["prompt_token_ids"] or []) > 1
                   and all(v is not None for v in vals[1:]))
         if ok and req["json_field"]:
-            try:
-                parsed = json.loads(rec["text"])
-            except ValueError:
-                parsed = None
-            ok = isinstance(parsed, dict) and req["json_field"] in parsed
+            ok = json_answer_ok(rec["text"], req["json_field"], rec["finish_reason"])
         tag = f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}"
         rec["check"] = tag
         run.check("features", tag, ok, status=rec["status"], answer=rec["text"],

@@ -100,6 +100,10 @@ async def completions(request):
     err = refusal(body, chat=False)
     if err:
         return err
+    if body.get("prompt_logprobs") and body.get("stream"):  # as vLLM's request validation
+        return web.json_response(
+            {"error": {"message": "`prompt_logprobs` are not available when `stream=True`.",
+                       "type": "BadRequestError", "code": 400}}, status=400)
     n = body.get("max_tokens") or 16
     prompt_ids = tokens_for("p" + body["prompt"], 5)
     ids = completion_for(prompt_ids, n)

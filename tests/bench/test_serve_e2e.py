@@ -130,6 +130,27 @@ def test_compare_greedy_reports_the_first_difference():
 
 
 # ----------------------------------------------------------------------------- inputs
+def test_json_answer_ok_accepts_whole_objects_and_cut_off_prefixes_only():
+    assert E.json_answer_ok('{"name": "Ada"}', "name", "stop")
+    assert not E.json_answer_ok('{"other": 1}', "name", "stop")
+    assert not E.json_answer_ok('{"name": "Ada', "name", "stop")  # stopped, yet cut off
+    # Cut off by max_tokens: anywhere inside the object.
+    for text in ('{"name": "The Roman Em', '{"name" \n: \n', '{"na', '{'):
+        assert E.json_answer_ok(text, "name", "length"), text
+    assert not E.json_answer_ok("not json", "name", "length")
+    assert not E.json_answer_ok('["name"', "name", "length")
+
+
+def test_feature_requests_follow_vllms_request_rules():
+    reqs = E.feature_requests("m")
+    # vLLM refuses prompt_logprobs on a streamed request, with or without speculation.
+    assert not any(r["stream"] and r["body"].get("prompt_logprobs") for r in reqs)
+    assert any(r["body"].get("prompt_logprobs") for r in reqs)
+    grammar = [r for r in reqs if r["json_field"]]
+    assert grammar and all("ignore_eos" not in r["body"] for r in grammar)
+    assert all(r["body"]["max_tokens"] > E.FEATURE_MAX_TOKENS for r in grammar)
+
+
 def test_builtin_prompts_are_distinct_and_enough():
     prompts, source = E.select_prompts(128)
     assert source == "builtin" and len(prompts) == 128 == len(set(prompts))
@@ -216,9 +237,10 @@ def test_flow_against_fake_server_passes(tmp_path):
     assert {b["name"]: b["status"] for b in r["bad_requests"]}["unknown_model"] == 404
     assert all(400 <= b["status"] < 500 for b in r["bad_requests"])
     # Logprobs on trees; penalties, bad words, a JSON schema without drafts: each at
-    # T=0 and T=1, streamed and not (28 requests sent at once), and the chat route.
+    # T=0 and T=1, streamed and not (prompt logprobs not streamed: 26 requests sent at
+    # once), and the chat route.
     features = r["features"]
-    assert len(features) == 28 and all(f["status"] == 200 for f in features)
+    assert len(features) == 26 and all(f["status"] == 200 for f in features)
     assert {f["name"] for f in features} == {
         "ordinary", "logprobs", "presence_penalty", "repetition_frequency_penalties",
         "bad_words", "structured_output_json", "prompt_logprobs"}
@@ -256,13 +278,13 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
     assert "greedy vs offline same-config: 24/24 identical" in proc.stdout
     # The feature requests replayed without speculation, with their sampling fields.
     f = r["features_vs_no_spec"]
-    assert (f["identical"], f["total"]) == (28, 28) and f["max_logprob_abs_diff"] == 0.0
+    assert (f["identical"], f["total"]) == (26, 26) and f["max_logprob_abs_diff"] == 0.0
     assert f["max_prompt_logprob_abs_diff"] == 0.0
     assert sum("max_prompt_logprob_abs_diff" in q for q in f["requests"]) == 2
     assert "features/identical_to_no_spec" not in r["failures"]
     spec = json.loads((tmp_path / "logs" / "offline-spec.json").read_text())
     seeded = [q for q in spec["requests"] if q["params"]["temperature"]]
-    assert len(seeded) == 14 and all(q["params"]["seed"] >= 1000 for q in seeded)
+    assert len(seeded) == 13 and all(q["params"]["seed"] >= 1000 for q in seeded)
     assert any("structured_outputs" in q["params"] and "ignore_eos" not in q["params"]
                for q in spec["requests"])
 
@@ -274,7 +296,7 @@ def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp
     assert proc.returncode == 1
     assert r["failures"] == ["features/identical_to_no_spec"]
     f = r["features_vs_no_spec"]
-    assert f["identical"] == 27
+    assert f["identical"] == 25
     assert [q["first_difference"] for q in f["requests"] if not q["identical"]] == [3]
 
 
