@@ -28,6 +28,13 @@ process this script started and writes what it has if the budget is overrun):
 5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
+   ``plain_server`` (``--plain-server``): the server is stopped and vLLM's server
+   without speculation started with the same flags; it gets the same feature requests
+   and load, and its answers are compared with the DDTree server's
+   (``plain_server.features_vs_ddtree``, ``greedy_vs_ddtree``; failures only with
+   ``--strict-greedy``) and, in phase 6, with decoding without speculation offline
+   (``greedy_vs_offline_no_spec``: the control for how far batching alone moves plain
+   decoding).
 6. ``offline``: after the server is stopped, the same prompts (the server's prompt
    token ids) through ``vllm.LLM``, greedy outputs compared token for token with the
    server's, against two references (``--offline-references``): ``no-spec``, decoding
@@ -351,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strict-greedy", action="store_true", help="fail on any greedy mismatch")
     p.add_argument("--skip-bad-configs", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--plain-server", action="store_true",
+                   help="also start vLLM's server without speculation (same flags) and "
+                        "compare its answers with the DDTree server's")
     p.add_argument("--offline-timeout", type=float, default=240.0)
     p.add_argument("--offline-references", nargs="+", choices=OFFLINE_REFERENCES,
                    default=list(OFFLINE_REFERENCES),
@@ -414,12 +424,13 @@ def server_prefix(server_cmd: str | None) -> list[str]:
     return [w.format(python=sys.executable) for w in DEFAULT_SERVER_PREFIX]
 
 
-def serve_command(prefix: list[str], target: str, spec: dict, port: int, *,
+def serve_command(prefix: list[str], target: str, spec: dict | None, port: int, *,
                   gpu_memory_utilization: float = 0.25, max_model_len: int = 2048,
                   dtype: str = "auto") -> list[str]:
+    """``vllm serve``; without ``spec``, plain decoding with the same flags."""
     return prefix + [
         "serve", target, "--dtype", dtype,
-        "--speculative-config", json.dumps(spec),
+        *(["--speculative-config", json.dumps(spec)] if spec is not None else []),
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
         "--max-model-len", str(max_model_len), "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -709,24 +720,26 @@ def run_bad_configs(run: Run, prefix: list[str]) -> None:
 
 
 def wait_healthy(run: Run, proc: subprocess.Popen, base: str, timeout: float,
-                 stderr_path: str) -> bool:
+                 stderr_path: str, phase: str = "startup", into: dict | None = None) -> bool:
+    """Wait for /health; the outcome goes to ``into`` (default: the result's
+    ``startup``) and a ``<phase>/server_healthy`` check."""
     t0 = time.monotonic()
     end = t0 + run.deadline.bound(timeout)
+    into = run.result.setdefault("startup", {}) if into is None else into
     while time.monotonic() < end:
         if proc.poll() is not None:
-            run.result["startup"] = {"ok": False, "returncode": proc.returncode,
-                                     "seconds": round(time.monotonic() - t0, 1),
-                                     "log_tail": tail(stderr_path)}
-            run.check("startup", "server_healthy", False,
+            into.update(ok=False, returncode=proc.returncode,
+                        seconds=round(time.monotonic() - t0, 1), log_tail=tail(stderr_path))
+            run.check(phase, "server_healthy", False,
                       message=f"server exited with {proc.returncode} before /health was 200")
             return False
         if http("GET", base + "/health", timeout=5).status == 200:
-            run.result["startup"] = {"ok": True, "seconds": round(time.monotonic() - t0, 1)}
-            return run.check("startup", "server_healthy", True)
+            into.update(ok=True, seconds=round(time.monotonic() - t0, 1))
+            return run.check(phase, "server_healthy", True)
         time.sleep(1.0)
-    run.result["startup"] = {"ok": False, "timed_out": True,
-                             "seconds": round(time.monotonic() - t0, 1), "log_tail": tail(stderr_path)}
-    run.check("startup", "server_healthy", False, message=f"/health not 200 within {timeout:.0f} s")
+    into.update(ok=False, timed_out=True, seconds=round(time.monotonic() - t0, 1),
+                log_tail=tail(stderr_path))
+    run.check(phase, "server_healthy", False, message=f"/health not 200 within {timeout:.0f} s")
     return False
 
 
@@ -981,6 +994,10 @@ def json_answer_ok(text: str | None, field: str, finish_reason: str | None) -> b
     return False
 
 
+def feature_tag(req: dict) -> str:
+    return f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}"
+
+
 def check_features(run: Run, base: str) -> None:
     reqs = feature_requests(SERVED_MODEL_NAME)
     records = asyncio.run(_send_features(base, reqs, run.args.request_timeout))
@@ -996,7 +1013,7 @@ def check_features(run: Run, base: str) -> None:
                   and all(v is not None for v in vals[1:]))
         if ok and req["json_field"]:
             ok = json_answer_ok(rec["text"], req["json_field"], rec["finish_reason"])
-        tag = f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}"
+        tag = feature_tag(req)
         rec["check"] = tag
         run.check("features", tag, ok, status=rec["status"], answer=rec["text"],
                   message=rec["message"])
@@ -1021,8 +1038,7 @@ def check_features(run: Run, base: str) -> None:
 def feature_reference_requests(records: list[dict]) -> list[dict]:
     """The answered feature requests as the offline reference replays them: the server's
     prompt token ids and the request's sampling fields."""
-    by_tag = {f"{q['name']}_T{q['temperature']:g}_{'stream' if q['stream'] else 'nonstream'}": q
-              for q in feature_requests(SERVED_MODEL_NAME)}
+    by_tag = {feature_tag(q): q for q in feature_requests(SERVED_MODEL_NAME)}
     out = []
     for rec in records:
         if rec.get("status") != 200 or not rec.get("prompt_token_ids"):
@@ -1153,6 +1169,93 @@ def run_load(run: Run, base: str) -> list[dict]:
           f"{summary['output_tokens_per_s']} tok/s, p50 {summary['latency'].get('p50_s')} s, "
           f"p99 {summary['latency'].get('p99_s')} s", flush=True)
     return results
+
+
+# --------------------------------------------------------------------------- plain server
+def as_reference(records: list[dict]) -> list[dict]:
+    """Answered feature records in the offline reference's shape (for compare_features)."""
+    return [{"check": r["check"], "token_ids": r["token_ids"], "logprobs": r["token_logprobs"],
+             "prompt_logprobs": r["prompt_token_logprobs"]}
+            for r in records if r.get("status") == 200 and r.get("token_ids")]
+
+
+def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
+    """The plain-decoding control (``--plain-server``): vLLM's server on the same target
+    with the same flags and no ``--speculative-config``, sent the same feature requests
+    (at once) and the same greedy load; its answers compared token for token with the
+    DDTree server's, and in the offline phase with plain decoding offline (how far the
+    server's batching alone moves plain decoding)."""
+    args = run.args
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = serve_command(prefix, args.target, None, port,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_model_len=args.max_model_len, dtype=args.dtype)
+    stdout_path = os.path.join(args.log_dir, "plain-server.stdout.log")
+    stderr_path = os.path.join(args.log_dir, "plain-server.stderr.log")
+    info: dict = {"command": shlex.join(cmd), "logs": {"stdout": stdout_path, "stderr": stderr_path},
+                  "startup": {}}
+    run.result["plain_server"] = info
+    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        proc = run.procs.start(cmd, env=child_env(), stdout=out, stderr=err)
+    try:
+        if not wait_healthy(run, proc, base, args.startup_timeout, stderr_path,
+                            phase="plain_server", into=info["startup"]):
+            return
+        reqs = feature_requests(SERVED_MODEL_NAME)
+        records = asyncio.run(_send_features(base, reqs, args.request_timeout))
+        for req, rec in zip(reqs, records):
+            rec["check"] = feature_tag(req)
+        prompts = [r["prompt"] for r in load]
+        limit = run.deadline.bound(max(args.request_timeout * 2, 60) +
+                                   args.request_timeout * max(len(prompts), 1) / args.concurrency)
+        results, wall = asyncio.run(asyncio.wait_for(
+            _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
+    finally:
+        info["stop"] = run.procs.stop(proc)
+    info["features"] = records
+    info["load_token_ids"] = [None if r["error"] else r["token_ids"] for r in results]
+    errors = [r for r in results if r["error"]]
+    tokens = sum(r.get("output_tokens") or 0 for r in results if not r["error"])
+    info["load"] = {"num_requests": len(results), "errors": len(errors),
+                    "wall_s": round(wall, 3),
+                    "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+    run.check("plain_server", "load_zero_errors", not errors,
+              message=errors[0]["error"] if errors else None)
+    feats = compare_features(run.result.get("features") or [], as_reference(records))
+    info["features_vs_ddtree"] = feats
+    pairs = [(d["token_ids"], p["token_ids"]) for d, p in zip(load, results)
+             if not d["error"] and not p["error"]]
+    greedy = compare_greedy([a for a, _ in pairs], [b for _, b in pairs])
+    info["greedy_vs_ddtree"] = greedy
+    print(f"DDTree server vs plain server: features {feats['identical']}/{feats['total']} "
+          f"identical (logprobs within {feats['max_logprob_abs_diff']}, prompt logprobs within "
+          f"{feats['max_prompt_logprob_abs_diff']}), greedy load {greedy['identical']}/"
+          f"{greedy['total']} identical", flush=True)
+    if args.strict_greedy:
+        run.check("plain_server", "features_identical",
+                  feats["total"] > 0 and feats["identical"] == feats["total"],
+                  message=f"{feats['identical']}/{feats['total']} identical")
+        run.check("plain_server", "greedy_identical", greedy["all_identical"],
+                  message=f"{greedy['identical']}/{greedy['total']} identical")
+
+
+def plain_server_vs_offline(run: Run, usable: list[dict], offline: dict) -> None:
+    """The control: the plain server's greedy load and feature requests against plain
+    decoding offline (the same comparison the DDTree server gets)."""
+    plain = run.result.get("plain_server") or {}
+    ids = plain.get("load_token_ids")
+    if not ids:
+        return
+    pairs = [(ids[r["index"]], o) for r, o in zip(usable, offline["token_ids"])
+             if r["index"] < len(ids) and ids[r["index"]] is not None]
+    greedy = compare_greedy([a for a, _ in pairs], [b for _, b in pairs])
+    feats = compare_features(plain.get("features") or [], offline.get("requests") or [])
+    plain["greedy_vs_offline_no_spec"] = greedy
+    plain["features_vs_offline_no_spec"] = feats
+    print(f"plain server vs offline no-spec (control): greedy {greedy['identical']}/"
+          f"{greedy['total']} identical, features {feats['identical']}/{feats['total']}",
+          flush=True)
 
 
 # --------------------------------------------------------------------------- offline reference
@@ -1295,6 +1398,8 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
     run.result[key] = info
     print(f"greedy vs offline {reference}: {cmp['identical']}/{cmp['total']} identical "
           "token sequences", flush=True)
+    if reference == "no-spec":
+        plain_server_vs_offline(run, usable, offline)
     if spec.get("requests"):
         feats = compare_features(run.result.get("features") or [], offline.get("requests") or [])
         run.result["features_vs_no_spec"] = feats
@@ -1385,6 +1490,8 @@ def main(argv: list[str] | None = None) -> int:
             phase("metrics", check_metrics, run, base, "after_load", True)
         run.result["server"]["stop"] = run.procs.stop(server)
         server = None
+        if healthy and args.plain_server and load:
+            phase("plain_server", run_plain_server, run, prefix, load)
         if healthy and not args.skip_offline:
             phase("offline", run_offline, run, load)
     finally:
@@ -1421,6 +1528,12 @@ def print_summary(result: dict) -> None:
             print(f"greedy vs offline {reference}: " + (
                 greedy.get("skipped") or greedy.get("error") or
                 f"{greedy.get('identical')}/{greedy.get('total')} identical"))
+    plain = result.get("plain_server") or {}
+    for name, key in (("DDTree server", "greedy_vs_ddtree"),
+                      ("offline no-spec", "greedy_vs_offline_no_spec")):
+        if plain.get(key):
+            print(f"plain server vs {name}: {plain[key]['identical']}/{plain[key]['total']} "
+                  "identical greedy")
     print(f"timings: {result.get('timings')}")
     print("PASSED" if result.get("passed") else f"FAILED: {result.get('failures')}")
 

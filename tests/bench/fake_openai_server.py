@@ -34,8 +34,13 @@ def tokens_for(prompt: str, n: int) -> list[int]:
 
 def completion_for(prompt_ids: list[int], n: int) -> list[int]:
     """The fake's greedy continuation: a function of the prompt's token ids, so that
-    tests/bench/fake_offline_worker.py (which sees only the ids) can reproduce it."""
-    return tokens_for(json.dumps(prompt_ids), n)
+    tests/bench/fake_offline_worker.py (which sees only the ids) can reproduce it.
+    Started without --speculative-config under FAKE_MODE=plain_differs, the last token
+    differs (a plain server that disagrees with the speculative one)."""
+    ids = tokens_for(json.dumps(prompt_ids), n)
+    if PLAIN and MODE == "plain_differs" and ids:
+        ids[-1] += 1
+    return ids
 
 
 def text_of(ids) -> str:
@@ -200,7 +205,9 @@ def main():
     p.add_argument("--host")
     p.add_argument("--served-model-name")
     args, _ = p.parse_known_args()
-    spec = json.loads(args.speculative_config)
+    global PLAIN
+    PLAIN = not args.speculative_config  # plain decoding: vLLM's server without speculation
+    spec = json.loads(args.speculative_config or '{"num_speculative_tokens": 0}')
     if spec.get("ddtree_max_depth", 15) > 15:
         sys.exit(f"ValueError: ddtree: ddtree_max_depth={spec['ddtree_max_depth']} is out of "
                  "range; it must be between 1 and 15.")
@@ -224,6 +231,7 @@ def main():
 
 
 request_model = None
+PLAIN = False
 
 if __name__ == "__main__":
     main()

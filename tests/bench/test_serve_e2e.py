@@ -289,6 +289,38 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
                for q in spec["requests"])
 
 
+def test_plain_server_control_is_compared_with_the_ddtree_server_and_offline(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--strict-greedy", "--plain-server",
+                          "--time-budget", "80", "--offline-references", "no-spec", offline=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    p = r["plain_server"]
+    assert "--speculative-config" not in p["command"] and p["startup"]["ok"]
+    assert "--speculative-config" in r["server"]["command"]
+    assert p["load"]["errors"] == 0 and p["load"]["num_requests"] == 24
+    assert (p["greedy_vs_ddtree"]["identical"], p["greedy_vs_ddtree"]["total"]) == (24, 24)
+    f = p["features_vs_ddtree"]
+    assert (f["identical"], f["total"]) == (26, 26) and f["max_logprob_abs_diff"] == 0.0
+    assert p["greedy_vs_offline_no_spec"]["all_identical"]
+    assert p["features_vs_offline_no_spec"]["identical"] == 26
+    assert "DDTree server vs plain server: features 26/26 identical" in proc.stdout
+
+
+def test_a_plain_server_that_differs_is_reported_and_fails_only_when_strict(tmp_path):
+    args = ("--skip-bad-configs", "--plain-server", "--time-budget", "80",
+            "--offline-references", "no-spec")
+    proc, r = _run_script(tmp_path, *args, mode="plain_differs", offline=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    p = r["plain_server"]
+    assert p["greedy_vs_ddtree"]["identical"] == 0
+    assert p["greedy_vs_ddtree"]["first_difference"]["position"] == 15  # the last of 16
+    # The control: the plain server against plain decoding offline differs the same way.
+    assert p["greedy_vs_offline_no_spec"]["identical"] == 0
+    proc, r = _run_script(tmp_path, *args, "--strict-greedy", mode="plain_differs", offline=True)
+    assert proc.returncode == 1
+    assert "plain_server/greedy_identical" in r["failures"]
+    assert "plain_server/features_identical" in r["failures"]
+
+
 def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp_path):
     proc, r = _run_script(tmp_path, "--skip-bad-configs", "--strict-greedy", "--time-budget",
                           "60", "--offline-references", "no-spec", offline=True,
