@@ -1172,6 +1172,12 @@ def run_load(run: Run, base: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- plain server
+def check_identical(run: Run, phase: str, name: str, cmp: dict) -> bool:
+    """A strict check of a comparison's ``identical`` over its ``total``."""
+    return run.check(phase, name, cmp["total"] > 0 and cmp["identical"] == cmp["total"],
+                     message=f"{cmp['identical']}/{cmp['total']} identical")
+
+
 def as_reference(records: list[dict]) -> list[dict]:
     """Answered feature records in the offline reference's shape (for compare_features)."""
     return [{"check": r["check"], "token_ids": r["token_ids"], "logprobs": r["token_logprobs"],
@@ -1233,11 +1239,8 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
           f"{feats['max_prompt_logprob_abs_diff']}), greedy load {greedy['identical']}/"
           f"{greedy['total']} identical", flush=True)
     if args.strict_greedy:
-        run.check("plain_server", "features_identical",
-                  feats["total"] > 0 and feats["identical"] == feats["total"],
-                  message=f"{feats['identical']}/{feats['total']} identical")
-        run.check("plain_server", "greedy_identical", greedy["all_identical"],
-                  message=f"{greedy['identical']}/{greedy['total']} identical")
+        check_identical(run, "plain_server", "features_identical", feats)
+        check_identical(run, "plain_server", "greedy_identical", greedy)
 
 
 def plain_server_vs_offline(run: Run, usable: list[dict], offline: dict) -> None:
@@ -1407,13 +1410,10 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
               f"identical, logprobs within {feats['max_logprob_abs_diff']}, prompt logprobs "
               f"within {feats['max_prompt_logprob_abs_diff']}", flush=True)
         if args.strict_greedy:
-            run.check("features", "identical_to_no_spec",
-                      feats["total"] > 0 and feats["identical"] == feats["total"],
-                      message=f"{feats['identical']}/{feats['total']} identical")
+            check_identical(run, "features", "identical_to_no_spec", feats)
     if args.strict_greedy:
         name = "identical_to_no_spec" if reference == "no-spec" else "identical_to_offline_same_config"
-        run.check("greedy", name, cmp["all_identical"],
-                  message=f"{cmp['identical']}/{cmp['total']} identical")
+        check_identical(run, "greedy", name, cmp)
 
 
 # --------------------------------------------------------------------------- main
