@@ -12,6 +12,11 @@ process this script started and writes what it has if the budget is overrun):
 1. ``bad_configs``: ``vllm serve`` with two invalid DDTree speculative configs must exit
    non-zero quickly with a message naming the setting (they fail in config validation,
    before any GPU work).
+   ``server_defaults`` (``--server-defaults``): ``vllm serve TARGET --speculative-config``
+   with no other flag, as the docs start it (vLLM's defaults: port 8000, its memory
+   share, concurrency and tokens per step, CUDA graphs): healthy, a completion, a chat
+   completion and ``--concurrency`` streamed requests without an error; DDTree's log
+   lines about the defaults it changed are recorded.
 2. ``startup``: the real server (DDTree, budget ``--budget``) until ``/health`` is 200.
 3. ``endpoints``: /health, /v1/models, completions and chat completions, each
    non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
@@ -358,6 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strict-greedy", action="store_true", help="fail on any greedy mismatch")
     p.add_argument("--skip-bad-configs", action="store_true")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--server-defaults", action="store_true",
+                   help="first start `vllm serve TARGET --speculative-config ...` with no other "
+                        "flag (vLLM's defaults, port 8000, CUDA graphs) and serve a small load")
     p.add_argument("--plain-server", action="store_true",
                    help="also start vLLM's server without speculation (same flags) and "
                         "compare its answers with the DDTree server's")
@@ -1086,7 +1094,8 @@ def compare_features(records: list[dict], reference: list[dict]) -> dict:
 
 
 async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int,
-                request_timeout: float) -> tuple[list[dict], float]:
+                request_timeout: float, model: str = SERVED_MODEL_NAME
+                ) -> tuple[list[dict], float]:
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
@@ -1094,7 +1103,7 @@ async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int
     url = base + "/v1/completions"
 
     async def one(session, i: int, prompt: str) -> dict:
-        body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}
         rec = {"index": i, "prompt": prompt, "error": None}
@@ -1169,6 +1178,82 @@ def run_load(run: Run, base: str) -> list[dict]:
           f"{summary['output_tokens_per_s']} tok/s, p50 {summary['latency'].get('p50_s')} s, "
           f"p99 {summary['latency'].get('p99_s')} s", flush=True)
     return results
+
+
+# --------------------------------------------------------------------------- vLLM's defaults
+VLLM_DEFAULT_PORT = 8000
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (a closed socket's TIME_WAIT does not count: the
+    server binds with SO_REUSEADDR, as uvicorn does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_server_defaults(run: Run, prefix: list[str]) -> None:
+    """``--server-defaults``: ``vllm serve TARGET --speculative-config JSON`` and no other
+    flag (vLLM's port, memory share, context length, concurrency, tokens per step and CUDA
+    graphs as it picks them), as a user starts it from the docs. It must become healthy,
+    answer a completion and a chat completion, and serve ``--concurrency`` streamed
+    requests without an error; DDTree's log lines about what it changed are kept."""
+    args = run.args
+    spec = speculative_config(args.drafter, args.budget)
+    cmd = prefix + ["serve", args.target, "--speculative-config", json.dumps(spec)]
+    stdout_path = os.path.join(args.log_dir, "defaults-server.stdout.log")
+    stderr_path = os.path.join(args.log_dir, "defaults-server.stderr.log")
+    info: dict = {"command": shlex.join(cmd), "startup": {},
+                  "logs": {"stdout": stdout_path, "stderr": stderr_path}}
+    run.result["server_defaults"] = info
+    if not port_free(VLLM_DEFAULT_PORT):
+        run.check("server_defaults", "default_port_free", False,
+                  message=f"port {VLLM_DEFAULT_PORT} (vLLM's default) is in use")
+        return
+    base = f"http://127.0.0.1:{VLLM_DEFAULT_PORT}"
+    with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+        proc = run.procs.start(cmd, env=child_env(), stdout=out, stderr=err)
+    try:
+        if not wait_healthy(run, proc, base, args.startup_timeout, stderr_path,
+                            phase="server_defaults", into=info["startup"]):
+            return
+        r = http("GET", base + "/v1/models", timeout=10)
+        names = [m.get("id") for m in ((r.json() or {}).get("data") or []) if isinstance(m, dict)]
+        model = names[0] if names else args.target
+        info["model"] = model
+        to = args.request_timeout
+        r = http("POST", base + "/v1/completions",
+                 {"model": model, "prompt": "The capital of France is", "max_tokens": 16,
+                  "temperature": 0}, timeout=to)
+        run.check("server_defaults", "completion", r.status == 200 and bool(_answer(first_choice(r))),
+                  status=r.status, message=error_message(r.body) if r.status != 200 else None)
+        r = http("POST", base + "/v1/chat/completions",
+                 {"model": model, "max_tokens": 16, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Name three primary colors."}]},
+                 timeout=to)
+        run.check("server_defaults", "chat", r.status == 200 and bool(_answer(first_choice(r))),
+                  status=r.status, message=error_message(r.body) if r.status != 200 else None)
+        prompts, _ = select_prompts(args.concurrency, args.prompts)
+        limit = run.deadline.bound(max(to * 2, 60))
+        results, wall = asyncio.run(asyncio.wait_for(
+            _load(base, prompts, args.concurrency, args.max_tokens, to, model=model), limit))
+        errors = [x for x in results if x["error"]]
+        tokens = sum(x.get("output_tokens") or 0 for x in results if not x["error"])
+        info["load"] = {"num_requests": len(results), "errors": len(errors),
+                        "wall_s": round(wall, 3),
+                        "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+        run.check("server_defaults", "load_zero_errors", not errors,
+                  message=errors[0]["error"] if errors else None)
+    finally:
+        info["stop"] = run.procs.stop(proc)
+        with open(stderr_path, errors="replace") as f:
+            log = f.read()
+        info["ddtree_log_lines"] = [line.strip()[:600] for line in log.splitlines()
+                                    if "ddtree:" in line or "DDTree" in line][:40]
 
 
 # --------------------------------------------------------------------------- plain server
@@ -1464,6 +1549,8 @@ def main(argv: list[str] | None = None) -> int:
             phase("probe", probe_vllm, run)
         if not args.skip_bad_configs:
             phase("bad_configs", run_bad_configs, run, prefix)
+        if args.server_defaults:
+            phase("server_defaults", run_server_defaults, run, prefix)
 
         port = args.port or free_port()
         base = f"http://127.0.0.1:{port}"

@@ -201,8 +201,8 @@ def main():
     p.add_argument("cmd")
     p.add_argument("target")
     p.add_argument("--speculative-config")
-    p.add_argument("--port", type=int)
-    p.add_argument("--host")
+    p.add_argument("--port", type=int, default=8000)  # vLLM's defaults
+    p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--served-model-name")
     args, _ = p.parse_known_args()
     global PLAIN
@@ -217,7 +217,11 @@ def main():
     if MODE == "die":
         print("RuntimeError: fake startup failure", file=sys.stderr)
         sys.exit(3)
-    request_model = args.served_model_name
+    request_model = args.served_model_name or args.target
+    if MODE == "defaults_die" and not args.served_model_name:
+        print("ValueError: fake failure on vLLM's defaults", file=sys.stderr)
+        sys.exit(1)
+    print(f"INFO ddtree: fake server on port {args.port}", file=sys.stderr)
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)

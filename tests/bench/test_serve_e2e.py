@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import types
@@ -287,6 +288,39 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
     assert len(seeded) == 13 and all(q["params"]["seed"] >= 1000 for q in seeded)
     assert any("structured_outputs" in q["params"] and "ignore_eos" not in q["params"]
                for q in spec["requests"])
+
+
+needs_port_8000 = pytest.mark.skipif(not E.port_free(E.VLLM_DEFAULT_PORT),
+                                     reason="port 8000 (vLLM's default) is in use here")
+
+
+@needs_port_8000
+def test_server_defaults_start_with_only_the_speculative_config(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--server-defaults",
+                          "--time-budget", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = r["server_defaults"]
+    argv = shlex.split(d["command"])
+    # Nothing but the target and the speculative config after `serve`.
+    assert argv[argv.index("serve") + 1:] == [
+        str(tmp_path), "--speculative-config",
+        json.dumps(E.speculative_config(DRAFTER, 32))]
+    assert d["startup"]["ok"] and d["model"] == str(tmp_path)
+    assert d["load"] == dict(d["load"], num_requests=8, errors=0)
+    assert [c["name"] for c in r["checks"]["server_defaults"]] == [
+        "server_healthy", "completion", "chat", "load_zero_errors"]
+    assert any("fake server on port 8000" in line for line in d["ddtree_log_lines"])
+    assert d["stop"]["returncode"] is not None
+
+
+@needs_port_8000
+def test_a_server_that_fails_on_vllms_defaults_fails_the_run(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--server-defaults",
+                          "--time-budget", "60", mode="defaults_die")
+    assert proc.returncode == 1
+    assert r["failures"] == ["server_defaults/server_healthy"]
+    # The configured server still ran its phases.
+    assert r["startup"]["ok"] and r["load"]["errors"] == 0
 
 
 def test_plain_server_control_is_compared_with_the_ddtree_server_and_offline(tmp_path):
