@@ -8,13 +8,11 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm.config import SchedulerConfig  # noqa: E402
+from vllm.config import CacheConfig, SchedulerConfig  # noqa: E402
 try:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # noqa: E402
-except ImportError:  # vLLM 0.33.0 builds the groups in kv_cache_config_builder
-    pytest.skip("the layouts are built with vLLM 0.26.0's kv_cache_utils."
-                "get_kv_cache_groups, which 0.33.0 moved into its KV-cache config "
-                "builder", allow_module_level=True)
+except ImportError:  # vLLM 0.33.0: the default builder's grouping moved here
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -40,12 +38,32 @@ def _sliding(window=128):
                              dtype=torch.bfloat16, sliding_window=window)
 
 
+def _resolve_layout(vllm_config, specs) -> None:
+    """0.33.0 groups by the physical KV-cache layout, which its engine core resolves
+    once from the backends' supported layouts: resolve it as it does for the tree
+    backend (Triton attention). 0.26.0 has no such step."""
+    try:
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+    except ImportError:
+        return
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    names = [layout.name for layout in get_supported_kv_cache_layouts([TritonAttentionBackend])]
+    resolve_kv_cache_layout(vllm_config, [names], dict(specs).values())
+
+
 def _layout(specs, disable_hybrid=False):
     """vLLM's KV-cache groups for these per-layer specs, and the runner's attention
     groups over them (init_attn_backend's phase 1: one group per layer spec)."""
     vllm_config = types.SimpleNamespace(scheduler_config=SchedulerConfig(
         max_model_len=2048, is_encoder_decoder=False,
-        disable_hybrid_kv_cache_manager=disable_hybrid))
+        disable_hybrid_kv_cache_manager=disable_hybrid),
+        # Read by 0.33.0's grouping (packed layouts, HiSparse); their defaults.
+        cache_config=CacheConfig(), attention_config=None, kv_transfer_config=None)
+    _resolve_layout(vllm_config, specs)
     groups = get_kv_cache_groups(vllm_config, dict(specs))
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     attn_groups = []
