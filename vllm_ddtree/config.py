@@ -572,6 +572,14 @@ def validate_ddtree_vllm_config(vllm_config: Any) -> None:
         refusal = target_attention_refusal(model_config)
         if refusal is not None:
             raise DDTreeConfigError(refusal)
+        if getattr(model_config, "return_sampling_mask", False):
+            # vLLM 0.33.0's field: the scheduler takes each sampled token's support
+            # from the sampler's output, which the tree sampler does not produce.
+            raise DDTreeConfigError(
+                "ddtree does not support return_sampling_mask=True (--return-sampling-mask): "
+                "the tree sampler returns no sampling masks, so answers would come without "
+                "them; leave it off, or use another speculative method."
+            )
         if _target_supports_aux_hidden_states(model_config) is False:
             raise DDTreeConfigError(
                 "ddtree needs a target that returns auxiliary hidden states for the "

@@ -389,6 +389,19 @@ def test_other_attention_backend_is_refused_naming_the_switch(target_config, spe
         validate_ddtree_vllm_config(cfg)
 
 
+def test_return_sampling_mask_is_refused_at_start_up(target_config, spec32, monkeypatch):
+    """vLLM 0.33.0's ModelConfig.return_sampling_mask: the tree sampler returns no
+    masks, so answers would silently lack them."""
+    if "return_sampling_mask" not in type(target_config).__dataclass_fields__:
+        pytest.skip(f"vLLM {PIN} has no ModelConfig.return_sampling_mask")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_DDTREE_TREE_ATTENTION", raising=False)
+    validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+    monkeypatch.setattr(target_config, "return_sampling_mask", True)
+    with pytest.raises(DDTreeConfigError, match="return_sampling_mask=True.*no sampling masks"):
+        validate_ddtree_vllm_config(_engine_config(target_config, spec32))
+
+
 def test_bad_tree_attention_switch_is_refused(target_config, spec32, monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setenv("VLLM_DDTREE_TREE_ATTENTION", "fa3")
