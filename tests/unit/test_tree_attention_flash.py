@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from tests.unit.tree_split_cases import D, HKV, HQ, NODES, PARENTS, SCALE  # noqa: E402
 from tests.unit.tree_split_cases import dense_reference, make_batch  # noqa: E402
 from tests.references import reference_context_attention, reference_paged_attention  # noqa: E402
+from vllm_ddtree.reach_ins import PIN_0_26, installed_pin  # noqa: E402
 
 
 def _fake_varlen(calls):
@@ -54,15 +55,21 @@ def _impl_and_metadata(b, with_tree=True):
         kv_cache_dtype="auto", dcp_world_size=1, supports_quant_query_input=False,
         num_kv_heads=HKV, num_heads=HQ, head_size=D, sliding_window=None, alibi_slopes=None,
         logits_soft_cap=None, sinks=None)
+    if installed_pin() != PIN_0_26:
+        impl.fa4_hd256 = False  # 0.33.0's FA4 head-size-256 kernel switch
     qsl = torch.tensor(b["qsl"], dtype=torch.int32)
     seq_lens = torch.tensor(b["seq_lens"], dtype=torch.int32)
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
-    md = FlashAttentionMetadata(
+    fields = dict(
         num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl,
         max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=b["block_table"],
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), use_cascade=False,
-        common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
-        suffix_kv_lens=None, scheduler_metadata=torch.zeros(1, dtype=torch.int32))
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        scheduler_metadata=torch.zeros(1, dtype=torch.int32))
+    if installed_pin() == PIN_0_26:
+        # 0.26.0's required cascade-attention fields (0.33.0 removed cascade attention).
+        fields.update(use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None,
+                      prefix_kv_lens=None, suffix_kv_lens=None)
+    md = FlashAttentionMetadata(**fields)
     if with_tree:
         md.tree_attn_bias = b["bias"]
         md.tree_context_lens = torch.tensor(b["context_lens"], dtype=torch.int32)
@@ -156,6 +163,9 @@ def test_without_a_tree_bias_the_backend_is_unchanged(interpreted, monkeypatch):
     assert len(calls) == 1 and calls[0]["causal"] is True
 
 
+@pytest.mark.skipif(installed_pin() != PIN_0_26,
+                    reason="vLLM 0.33.0 removed cascade attention (no use_cascade_attention "
+                           "for the tree split to refuse); 0.26.0 only")
 def test_the_builder_never_chooses_cascade_attention_with_a_tree():
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
 
