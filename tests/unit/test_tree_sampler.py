@@ -5,6 +5,7 @@ and a plain decode without a tree."""
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import numpy as np
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+from vllm.v1.worker.gpu.sample.sampler import Sampler  # noqa: E402
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS  # noqa: E402
 
 import vllm_ddtree.tree_verifier as spec_mod  # noqa: E402
 from vllm_ddtree.tree_verifier import DDTreeSampler, TreeStep, TreeVerifier  # noqa: E402
@@ -24,6 +28,30 @@ def _num_sampled_and_rejected(num_output, seq_lens, cu, idx_mapping, prefill_len
     n = num_output.shape[0]
     verified = (cu[1:n + 1] - cu[:n]).to(torch.int32)
     return num_output.to(torch.int32), verified - num_output.to(torch.int32)
+
+
+def _fake_sampler(num_logprobs, logprobs_mode="raw_logprobs", processed=None):
+    """A stand-in for vLLM's Sampler: its greedy ``sample`` accepts exactly the installed
+    Sampler.sample's arguments (0.33.0 added idx_mapping and the sequence lengths), and
+    whether logprobs are returned is decided by the installed Sampler's own method
+    (0.26.0's returns_logprobs, 0.33.0's get_logprobs_dims) over per-request states
+    asking for ``num_logprobs`` top logprobs (NO_LOGPROBS: none) and no token ids."""
+    signature = inspect.signature(Sampler.sample)
+
+    def sample(logits, *args, **kwargs):
+        signature.bind(None, logits, *args, **kwargs)  # TypeError if the call is off
+        return logits.argmax(-1), processed(logits) if processed else None
+
+    fake = types.SimpleNamespace(
+        compute_nans=False, logprobs_mode=logprobs_mode, sample=sample,
+        sampling_states=types.SimpleNamespace(max_num_logprobs=lambda idx_np: num_logprobs),
+        logprob_token_ids_state=types.SimpleNamespace(max_num_token_ids=lambda idx_np: 0),
+        req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
+    )
+    for name in ("returns_logprobs", "get_logprobs_dims"):
+        if hasattr(Sampler, name):
+            setattr(fake, name, types.MethodType(getattr(Sampler, name), fake))
+    return fake
 
 
 def _setup(device):
@@ -49,7 +77,8 @@ def _setup(device):
         logits_indices=to(torch.arange(num_logits)), positions=to(torch.arange(num_logits) + 50),
         input_ids=to(torch.zeros(num_logits, dtype=torch.int64)),
         expanded_idx_mapping=to(idx.repeat_interleave(torch.tensor(rows_per_req))),
-        expanded_local_pos=to(local), seq_lens=to(torch.tensor([60, 70, 80], dtype=torch.int32)))
+        expanded_local_pos=to(local), seq_lens=to(torch.tensor([60, 70, 80], dtype=torch.int32)),
+        seq_lens_cpu_upper_bound=torch.tensor([60, 70, 80], dtype=torch.int32))
     return dict(parents=to(parents), tokens=to(tokens), valid=to(valid), logits=to(logits),
                 batch=batch)
 
@@ -59,12 +88,7 @@ def _run(s, fused: bool):
     spec.tokens_by_state, spec.parents_by_state, spec.valid_by_state = (
         s["tokens"], s["parents"], s["valid"])
     spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
-    sampler = types.SimpleNamespace(
-        compute_nans=False,
-        returns_logprobs=lambda idx_np: False,
-        sample=lambda logits, *a, **k: (logits.argmax(-1), None),  # greedy target samples
-        req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
-    )
+    sampler = _fake_sampler(NO_LOGPROBS)  # greedy target samples, no logprobs
     out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
     return out, spec
 
@@ -113,14 +137,7 @@ def test_logprobs_score_each_emitted_token_at_its_node(vllm_triton, triton_devic
     spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
     cu = s["batch"].cu_num_logits
     s["batch"].cu_num_logits_np = cu.cpu().numpy()
-    sampler = types.SimpleNamespace(
-        compute_nans=False, logprobs_mode="raw_logprobs",
-        returns_logprobs=lambda idx_np: True,
-        sampling_states=types.SimpleNamespace(max_num_logprobs=lambda idx_np: 2),
-        logprob_token_ids_state=types.SimpleNamespace(max_num_token_ids=lambda idx_np: 0),
-        sample=lambda logits, *a, **k: (logits.argmax(-1), logits),
-        req_states=types.SimpleNamespace(prefill_len=types.SimpleNamespace(gpu=None)),
-    )
+    sampler = _fake_sampler(2, processed=lambda logits: logits)
     out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
     lp = out.logprobs_tensors
     assert lp is not None and lp.cu_num_generated_tokens == cu.cpu().tolist()
