@@ -21,7 +21,10 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "compile_kernels_sm90.py")],
                           env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # The script exits non-zero on a spill too: name the spilling variants first.
+    spills = [r for r in rows if r["spill_bytes"] > 0]
+    assert not spills, f"register spills with Triton {triton.__version__}:\n" + "\n".join(
+        json.dumps(r) for r in spills)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(rows) == 68
-    assert all(r["spill_bytes"] == 0 for r in rows)
