@@ -249,17 +249,30 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.valid_by_state = spec.verifier.valid_by_state
     spec.trees = None
     spec.draft_kv_cache_group_ids = [0]
+    # vLLM 0.26.0's block tables name the kernel's block sizes kernel_block_sizes,
+    # 0.33.0's block_sizes (and add the context-parallel rank and interleave).
     spec.block_tables = types.SimpleNamespace(
-        slot_mappings=[torch.zeros(16)], input_block_tables=["bt"], kernel_block_sizes=[16])
+        slot_mappings=[torch.zeros(16)], input_block_tables=["bt"], kernel_block_sizes=[16],
+        block_sizes=[16], cp_rank=0, cp_interleave=1)
     spec._context_slot_mappings = torch.arange(32).view(1, 32)
     spec._layer_group_idx = None
     spec.context_positions = torch.arange(32)
     spec.hidden_states = torch.zeros(32, 5)
     spec._decode_context_graphs = None
+    # What prepare_dflash_inputs takes from the speculator (vllm_ddtree.pin_calls), each
+    # field its own name; temperature, seeds and dcp_size only on vLLM 0.33.0.
     for name in ("input_buffers", "sample_indices", "sample_pos", "sample_idx_mapping",
                  "parallel_drafting_token_id", "num_query_per_req", "num_speculative_steps",
-                 "max_num_tokens", "max_model_len", "sample_from_anchor"):
+                 "max_num_tokens", "sample_from_anchor", "temperature", "seeds", "dcp_size"):
         setattr(spec, name, name)
+    # max_model_len: an attribute on vLLM 0.26.0; on 0.33.0 a property reading the model
+    # config (auto-fit can lower the limit after the speculator is built).
+    if isinstance(getattr(DDTreeSpeculator, "max_model_len", None), property):
+        spec.vllm_config = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len="max_model_len"))
+    else:
+        spec.max_model_len = "max_model_len"
+    assert spec.max_model_len == "max_model_len"
     spec.model = types.SimpleNamespace(
         precompute_and_store_context_kv=lambda h, pos, slots: calls["store"].append(
             (h.clone(), pos.clone(), slots.clone())))
@@ -294,6 +307,9 @@ def test_budget_zero_batches_store_only_the_drafter_context(monkeypatch):
     _propose(spec, 3, hidden)
     assert calls["super"] == 0, "no drafter query forward at budget 0"
     assert len(calls["prepare"]) == 1
+    # vLLM's kernel wrapper gets the speculator's limits (the installed pin's call).
+    assert {"max_model_len", "max_num_tokens", "num_query_per_req"} <= set(
+        a for a in calls["prepare"][0] if isinstance(a, str))
     (h, pos, slots), = calls["store"]
     assert torch.equal(h, hidden) and torch.equal(pos, torch.arange(3))
     # Read from the speculator's persistent buffer, which the context-store graphs read.
