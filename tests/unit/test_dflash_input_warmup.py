@@ -16,6 +16,8 @@ from vllm_ddtree.dflash_input_warmup import (
     warm_up_dflash_input_kernel,
     warm_up_query_lengths,
 )
+from vllm_ddtree import pin_calls
+from vllm_ddtree.reach_ins import PIN_0_33, installed_pin
 
 dflash = pytest.importorskip("vllm.v1.worker.gpu.spec_decode.dflash.speculator")
 
@@ -26,10 +28,13 @@ def _buffers(max_num_reqs: int, max_num_tokens: int, num_query_per_req: int,
              num_steps: int, device) -> dict:
     """The drafter's buffers with the runner's dtypes, as prepare_dflash_inputs gets them."""
     z = lambda n, dt: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
-    max_q = max_num_reqs * num_query_per_req
+    # vLLM's InputBuffers hold max_num_tokens query tokens (at least the largest query,
+    # max_num_reqs * num_query_per_req); vLLM 0.33.0's kernel pads them all.
+    max_q = max(max_num_reqs * num_query_per_req, max_num_tokens)
     return dict(
         input_buffers=types.SimpleNamespace(
             input_ids=z(max_q, torch.int32), positions=z(max_q, torch.int64),
+            is_padding=z(max_q, torch.bool),  # written by vLLM 0.33.0's kernel only
             query_start_loc=z(max_num_reqs + 1, torch.int32),
             seq_lens=z(max_num_reqs, torch.int32)),
         query_slot_mapping=z(max_num_tokens, torch.int64),
@@ -38,25 +43,54 @@ def _buffers(max_num_reqs: int, max_num_tokens: int, num_query_per_req: int,
         sample_indices=z(max_num_reqs * num_steps, torch.int64),
         sample_pos=z(max_num_reqs * num_steps, torch.int64),
         sample_idx_mapping=z(max_num_reqs * num_steps, torch.int32),
+        # The drafter's sampling state, which vLLM 0.33.0's kernel copies per request.
+        temperature=z(max_num_reqs, torch.float32),
+        seeds=z(max_num_reqs, torch.int64),
         last_sampled=torch.full((max_num_reqs,), 7, dtype=torch.int64, device=device),
         next_prefill_tokens=z(max_num_reqs, torch.int32),
+        input_temperature=torch.full((max_num_reqs,), 0.5, dtype=torch.float32,
+                                     device=device),
+        input_seeds=torch.full((max_num_reqs,), 11, dtype=torch.int64, device=device),
         # Request state 0's blocks are 3, 4, 5, ... (slot = block * 16 + offset).
         block_table=(torch.arange(40, dtype=torch.int32, device=device) + 3).repeat(
             max_num_reqs, 1),
     )
 
 
+def _fake_speculator(b: dict, num_query_per_req: int, max_num_reqs: int,
+                     max_num_tokens: int, max_model_len: int):
+    """What vllm_ddtree.pin_calls.prepare_dflash_inputs reads of the speculator, on
+    either pin: one drafter KV group (0) over the buffers ``b``, no context parallelism."""
+    return types.SimpleNamespace(
+        input_buffers=b["input_buffers"],
+        block_tables=types.SimpleNamespace(
+            slot_mappings=[b["query_slot_mapping"]], input_block_tables=[b["block_table"]],
+            kernel_block_sizes=[BLOCK_SIZE_KV],  # vLLM 0.26.0's name
+            block_sizes=[BLOCK_SIZE_KV], cp_rank=0, cp_interleave=1),  # 0.33.0's
+        dcp_size=1,
+        context_positions=b["context_positions"],
+        _context_slot_mappings=[b["context_slot_mapping"]],
+        sample_indices=b["sample_indices"], sample_pos=b["sample_pos"],
+        sample_idx_mapping=b["sample_idx_mapping"],
+        temperature=b["temperature"], seeds=b["seeds"],
+        parallel_drafting_token_id=99, num_query_per_req=num_query_per_req,
+        num_speculative_steps=num_query_per_req - 1, max_num_reqs=max_num_reqs,
+        max_num_tokens=max_num_tokens, max_model_len=max_model_len,
+        sample_from_anchor=False,
+    )
+
+
 def _prepare(b: dict, num_query_per_req: int, max_num_reqs: int, max_num_tokens: int,
              max_model_len: int = 4096):
-    """A prepare(batch, num_sampled, num_rejected) calling vLLM's own function."""
+    """A prepare(batch, num_sampled, num_rejected) calling vLLM's own function, as the
+    speculator does (the installed pin's call, vllm_ddtree.pin_calls)."""
+    spec = _fake_speculator(b, num_query_per_req, max_num_reqs, max_num_tokens,
+                            max_model_len)
+
     def prepare(batch, num_sampled, num_rejected):
-        dflash.prepare_dflash_inputs(
-            b["input_buffers"], b["query_slot_mapping"], b["context_positions"],
-            b["context_slot_mapping"], b["sample_indices"], b["sample_pos"],
-            b["sample_idx_mapping"], batch, num_sampled, num_rejected, b["last_sampled"],
-            b["next_prefill_tokens"], b["block_table"], BLOCK_SIZE_KV, 99,
-            num_query_per_req, num_query_per_req - 1, max_num_reqs, max_num_tokens,
-            max_model_len)
+        pin_calls.prepare_dflash_inputs(
+            spec, 0, 0, batch, num_sampled, num_rejected, b["last_sampled"],
+            b["next_prefill_tokens"], b["input_temperature"], b["input_seeds"])
     return prepare
 
 
@@ -119,6 +153,10 @@ def test_vllms_kernel_runs_on_the_warm_up_batches(vllm_triton, triton_device):
         assert (b["query_slot_mapping"][nq:] == -1).all()  # PAD_SLOT_ID
         assert torch.equal(b["context_positions"][:q].cpu(), torch.arange(q))
         assert ib.seq_lens[0].item() == q + nq and (ib.seq_lens[1:] == 0).all()
+        if installed_pin() == PIN_0_33:  # 0.26.0's kernel writes neither
+            assert not ib.is_padding[:nq].any() and ib.is_padding[nq:].all()
+            assert (ib.input_ids[nq:] == 0).all() and (ib.positions[nq:] == 0).all()
+            assert b["temperature"][0].item() == 0.5 and b["seeds"][0].item() == 11
         seen.append(q)
 
     blocks = warm_up_dflash_input_kernel(prepare, nq, max_tokens, triton_device)
