@@ -1,7 +1,7 @@
 """Compile vLLM's DFlash input kernel for every block size before serving.
 
-vLLM 0.26's ``prepare_dflash_inputs`` (``spec_decode/dflash/speculator.py``) launches
-``_prepare_dflash_inputs_kernel`` with ``BLOCK_SIZE = min(256, next_pow2(longest
+vLLM's ``prepare_dflash_inputs`` (``spec_decode/dflash/speculator.py``, 0.26.0 and
+0.33.0 alike) launches ``_prepare_dflash_inputs_kernel`` with ``BLOCK_SIZE = min(256, next_pow2(longest
 target query of a request + num_query_per_req))``, a ``constexpr``: 32 for decode
 steps, 64 to 256 for steps that prefill a prompt. Triton compiles the kernel once per
 block size, and vLLM's start-up warm-up reaches only some of them, so the others
@@ -24,11 +24,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-MAX_BLOCK_SIZE = 256  # vLLM 0.26's cap in prepare_dflash_inputs
+MAX_BLOCK_SIZE = 256  # vLLM's cap (both pins) in prepare_dflash_inputs
 
 
 def dflash_input_block_size(max_query_len: int, num_query_per_req: int) -> int:
-    """The ``BLOCK_SIZE`` vLLM 0.26's ``prepare_dflash_inputs`` picks for a step whose
+    """The ``BLOCK_SIZE`` vLLM's ``prepare_dflash_inputs`` picks for a step whose
     longest per-request target query has ``max_query_len`` tokens."""
     span = max(1, max_query_len + num_query_per_req)
     return min(MAX_BLOCK_SIZE, 1 << (span - 1).bit_length())
