@@ -1,12 +1,14 @@
 """Compile vLLM's DFlash input kernel for every block size before serving.
 
 vLLM's ``prepare_dflash_inputs`` (``spec_decode/dflash/speculator.py``, 0.26.0 and
-0.33.0 alike) launches ``_prepare_dflash_inputs_kernel`` with ``BLOCK_SIZE = min(256, next_pow2(longest
-target query of a request + num_query_per_req))``, a ``constexpr``: 32 for decode
-steps, 64 to 256 for steps that prefill a prompt. Triton compiles the kernel once per
-block size, and vLLM's start-up warm-up reaches only some of them, so the others
-compiled at the first requests of each prompt-length range (block sizes 32 to 256
-while serving, ``bench/results/2026-11-30-steady-plain-chain-trees-both-orders/jit-during-serving-ddtree-b64-t512.json.gz``), a latency spike for those requests.
+0.33.0 alike) launches ``_prepare_dflash_inputs_kernel`` with ``BLOCK_SIZE = min(256,
+next_pow2(longest target query of a request + num_query_per_req))``, a ``constexpr``:
+32 for decode steps, 64 to 256 for steps that prefill a prompt. Triton compiles the
+kernel once per block size, and vLLM's start-up warm-up reaches only some of them, so
+the others compiled at the first requests of each prompt-length range (block sizes 32
+to 256 while serving,
+``bench/results/2026-11-30-steady-plain-chain-trees-both-orders/jit-during-serving-ddtree-b64-t512.json.gz``),
+a latency spike for those requests.
 
 :func:`warm_up_dflash_input_kernel` launches the kernel once per block size that a step
 can select, on a one-request batch whose target query is the shortest one that selects
