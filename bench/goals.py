@@ -4,7 +4,9 @@ order between rounds), never written by hand.
 
 Per cell (suite, prompt set, batch, temperature, mode) and engine: the median of every
 repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
-and tau. The engines are matched by role, from their config names (bench/run.py):
+and tau; and the orders the engines were started in (``engine_orders``,
+``both_orders``: DDTree's engine started first in one round and last in another, so
+that drift over a call does not favour it). The engines are matched by role, from their config names (bench/run.py):
 ``no-spec`` (plain decoding as vLLM runs it; its ``+flag`` variants are left out); the
 chain is the config named ``dflash...``; DDTree the one named ``ddtree...`` (give
 ``--ddtree`` / ``--dflash`` to pick one when a file has several). Also writes a markdown table
@@ -41,12 +43,37 @@ def _role(result: dict, ddtree: str | None, dflash: str | None) -> str | None:
     return None
 
 
+def engine_orders(doc: dict, ddtree: str | None = None, dflash: str | None = None) -> set:
+    """The orders in which a result file started its engines, one per engine round:
+    tuples of roles (``("no-spec", "ddtree")``), each role once, first start first."""
+    rounds: dict = {}
+    for e in doc.get("engines") or []:
+        role = _role(e, ddtree, dflash)
+        order = rounds.setdefault(e.get("round", 0), [])
+        if role is not None and role not in order:
+            order.append(role)
+    return {tuple(o) for o in rounds.values() if o}
+
+
+def both_orders(orders: set) -> bool:
+    """DDTree started before and, in another round, after every other engine."""
+    others = {r for o in orders for r in o} - {"ddtree"}
+    if not others or not any("ddtree" in o for o in orders):
+        return False
+    first = any(o.index("ddtree") < min(o.index(r) for r in others if r in o)
+                for o in orders if "ddtree" in o and others & set(o))
+    last = any(o.index("ddtree") > max(o.index(r) for r in others if r in o)
+               for o in orders if "ddtree" in o and others & set(o))
+    return first and last
+
+
 def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = None) -> dict:
-    """{cell key: {role: {"runs": [...], "tau": [...], "config": name}}}"""
+    """{cell key: {role: {"runs": [...], "tau": [...], "config": name}, "_orders": set}}"""
     cells: dict = {}
     for doc in docs:
         suite = doc.get("suite")
         mode = doc.get("cell_mode") or "waves"
+        orders = engine_orders(doc, ddtree, dflash)
         for r in doc.get("results") or []:
             if not r:
                 continue
@@ -54,7 +81,8 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
             if role is None:
                 continue
             key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode)
-            slot = cells.setdefault(key, {}).setdefault(role, {"runs": [], "tau": [],
+            cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
+            slot = cells[key].setdefault(role, {"runs": [], "tau": [],
                                                               "config": r["config"]})
             if slot["config"] != r["config"]:
                 raise SystemExit(f"two {role} configs in one cell ({slot['config']}, "
@@ -70,7 +98,10 @@ def summarise(cells: dict) -> list[dict]:
     out = []
     for (suite, prompt_set, batch, temp, mode), roles in sorted(cells.items()):
         tok_s, spread, tau, configs, repeats = {}, {}, {}, {}, {}
+        orders = roles.get("_orders", set())
         for role, slot in roles.items():
+            if role == "_orders":
+                continue
             med = statistics.median(slot["runs"])
             tok_s[role] = round(med, 2)
             spread[role] = round((max(slot["runs"]) - min(slot["runs"])) / med, 4)
@@ -80,7 +111,9 @@ def summarise(cells: dict) -> list[dict]:
                 tau[role] = round(statistics.median(slot["tau"]), 4)
         cell = {"suite": suite, "prompt_set": prompt_set, "batch": batch,
                 "temperature": temp, "mode": mode, "tok_s": tok_s, "tau": tau,
-                "spread": spread, "repeats": repeats, "configs": configs}
+                "spread": spread, "repeats": repeats, "configs": configs,
+                "engine_orders": sorted(list(o) for o in orders),
+                "both_orders": both_orders(orders)}
         if "ddtree" in tok_s:
             base = [tok_s[r] for r in ("no-spec", "dflash") if r in tok_s]
             if base:
@@ -136,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.table, "w") as f:
             f.write(table(cells))
     met = sum(1 for c in cells if c.get("goal_met"))
-    print(f"{len(cells)} cells, goal met in {met}", flush=True)
+    alternated = sum(1 for c in cells if c.get("goal_met") and c["both_orders"])
+    print(f"{len(cells)} cells, goal met in {met} ({alternated} of them with DDTree's "
+          "engine started both first and last)", flush=True)
     return 0
 
 

@@ -1,0 +1,90 @@
+"""bench/goals.py: the goal table from bench/run.py result files (no GPU, no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+from bench import goals as G  # noqa: E402
+
+
+def _doc(order, rates, rounds=1, suite="fixture"):
+    """A result file: engines started in ``order`` (reversed every other round), one
+    batch-4 T=0 cell with ``rates[config]`` tokens/s per round."""
+    engines, results = [], []
+    for r in range(rounds):
+        for config in (order if r % 2 == 0 else order[::-1]):
+            engines.append({"config": config, "round": r})
+            results.append({"config": config, "prompt_set": "held", "batch_size": 4,
+                            "temperature": 0.0, "output_tokens_per_s": rates[config][r],
+                            "tau": 1.5 if config != "no-spec" else None})
+    return {"suite": suite, "cell_mode": "waves", "engines": engines, "results": results,
+            "git_rev": "abc"}
+
+
+RATES = {"no-spec": [100.0, 110.0], "dflash-t512": [90.0, 95.0],
+         "ddtree-b64-t512": [120.0, 100.0]}
+
+
+def test_a_cell_pools_every_round_and_states_the_goal_ratios():
+    doc = _doc(["no-spec", "dflash-t512", "ddtree-b64-t512"], RATES, rounds=2)
+    [cell] = G.summarise(G.gather([doc]))
+    assert cell["tok_s"] == {"no-spec": 105.0, "dflash": 92.5, "ddtree": 110.0}
+    assert cell["repeats"] == {"no-spec": 2, "dflash": 2, "ddtree": 2}
+    assert cell["ddtree_vs_best_other"] == round(110 / 105, 4) and cell["goal_met"]
+    assert cell["spread"]["ddtree"] == round(20 / 110, 4)
+
+
+def test_both_orders_needs_ddtree_started_first_and_last():
+    two_rounds = _doc(["no-spec", "dflash-t512", "ddtree-b64-t512"], RATES, rounds=2)
+    [cell] = G.summarise(G.gather([two_rounds]))
+    assert cell["both_orders"]
+    assert cell["engine_orders"] == [["ddtree", "dflash", "no-spec"],
+                                     ["no-spec", "dflash", "ddtree"]]
+    one = _doc(["no-spec", "dflash-t512", "ddtree-b64-t512"], RATES)
+    [cell] = G.summarise(G.gather([one]))
+    assert not cell["both_orders"] and cell["engine_orders"] == [["no-spec", "dflash", "ddtree"]]
+    # DDTree in the middle of both orders is neither first nor last.
+    middle = [_doc(["no-spec", "ddtree-b64-t512", "dflash-t512"], RATES),
+              _doc(["dflash-t512", "ddtree-b64-t512", "no-spec"], RATES)]
+    [cell] = G.summarise(G.gather(middle))
+    assert not cell["both_orders"]
+    # Two files in opposite orders count as both.
+    files = [_doc(["no-spec", "dflash-t512", "ddtree-b64-t512"], RATES),
+             _doc(["ddtree-b64-t512", "dflash-t512", "no-spec"], RATES)]
+    [cell] = G.summarise(G.gather(files))
+    assert cell["both_orders"]
+
+
+def test_two_ddtree_configs_in_one_cell_need_a_choice():
+    rates = dict(RATES, **{"ddtree-b32": [1.0, 1.0]})
+    doc = _doc(["no-spec", "ddtree-b64-t512", "ddtree-b32"], rates)
+    with pytest.raises(SystemExit, match="two ddtree configs"):
+        G.gather([doc])
+    [cell] = G.summarise(G.gather([doc], ddtree="ddtree-b32"))
+    assert cell["configs"]["ddtree"] == "ddtree-b32" and not cell["goal_met"]
+
+
+def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, capsys):
+    paths = []
+    for i, order in enumerate((["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"])):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(_doc(order, RATES)))
+        paths.append(str(p))
+    out = tmp_path / "goals.json"
+    assert G.main(["--held-out", "held", "--out", str(out), "--table",
+                   str(tmp_path / "goals.md"), *paths]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["prompt_set_held_out"] == "held" and doc["git_rev"] == "abc"
+    assert [s["engine_order"] for s in doc["sources"]] == [
+        ["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"]]
+    assert doc["cells"][0]["both_orders"]
+    assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
+        in capsys.readouterr().out
+    assert "| fixture | held | 4 | 0 |" in (tmp_path / "goals.md").read_text()
