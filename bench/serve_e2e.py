@@ -1148,11 +1148,26 @@ async def _load(base: str, prompts: list[str], concurrency: int, max_tokens: int
     return list(results), time.monotonic() - t0
 
 
+def load_deadline(run: Run, num_requests: int) -> float:
+    """Seconds a load of ``num_requests`` at ``--concurrency`` may take (within the
+    overall budget)."""
+    args = run.args
+    return run.deadline.bound(max(args.request_timeout * 2, 60) +
+                              args.request_timeout * num_requests / args.concurrency)
+
+
+def load_throughput(results: list[dict], wall: float) -> dict:
+    """Requests, errors and output tokens/s of one load."""
+    tokens = sum(r.get("output_tokens") or 0 for r in results if not r["error"])
+    return {"num_requests": len(results), "errors": sum(1 for r in results if r["error"]),
+            "wall_s": round(wall, 3), "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+
+
 def run_load(run: Run, base: str) -> list[dict]:
     args = run.args
     prompts, source = select_prompts(args.num_requests, args.prompts)
-    limit = run.deadline.bound(max(args.request_timeout * 2, 60) +
-                               args.request_timeout * args.num_requests / args.concurrency)
+    limit = load_deadline(run, args.num_requests)
     try:
         results, wall = asyncio.run(asyncio.wait_for(
             _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
@@ -1161,13 +1176,10 @@ def run_load(run: Run, base: str) -> list[dict]:
         return []
     errors = [r for r in results if r["error"]]
     ok = [r for r in results if not r["error"]]
-    tokens = sum(r.get("output_tokens") or 0 for r in ok)
     summary = {
-        "prompt_source": source, "num_requests": len(results), "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "errors": len(errors),
+        "prompt_source": source, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, **load_throughput(results, wall),
         "error_samples": [{"index": r["index"], "error": r["error"]} for r in errors[:10]],
-        "wall_s": round(wall, 3), "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
         "latency": latency_summary([r["latency_s"] for r in ok]),
         "ttft": latency_summary([r["ttft_s"] for r in ok if r.get("ttft_s") is not None]),
     }
@@ -1242,10 +1254,7 @@ def run_server_defaults(run: Run, prefix: list[str]) -> None:
         results, wall = asyncio.run(asyncio.wait_for(
             _load(base, prompts, args.concurrency, args.max_tokens, to, model=model), limit))
         errors = [x for x in results if x["error"]]
-        tokens = sum(x.get("output_tokens") or 0 for x in results if not x["error"])
-        info["load"] = {"num_requests": len(results), "errors": len(errors),
-                        "wall_s": round(wall, 3),
-                        "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+        info["load"] = load_throughput(results, wall)
         run.check("server_defaults", "load_zero_errors", not errors,
                   message=errors[0]["error"] if errors else None)
     finally:
@@ -1298,8 +1307,7 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
         for req, rec in zip(reqs, records):
             rec["check"] = feature_tag(req)
         prompts = [r["prompt"] for r in load]
-        limit = run.deadline.bound(max(args.request_timeout * 2, 60) +
-                                   args.request_timeout * max(len(prompts), 1) / args.concurrency)
+        limit = load_deadline(run, max(len(prompts), 1))
         results, wall = asyncio.run(asyncio.wait_for(
             _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
     finally:
@@ -1307,10 +1315,7 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
     info["features"] = records
     info["load_token_ids"] = [None if r["error"] else r["token_ids"] for r in results]
     errors = [r for r in results if r["error"]]
-    tokens = sum(r.get("output_tokens") or 0 for r in results if not r["error"])
-    info["load"] = {"num_requests": len(results), "errors": len(errors),
-                    "wall_s": round(wall, 3),
-                    "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None}
+    info["load"] = load_throughput(results, wall)
     run.check("plain_server", "load_zero_errors", not errors,
               message=errors[0]["error"] if errors else None)
     feats = compare_features(run.result.get("features") or [], as_reference(records))
