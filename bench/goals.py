@@ -4,14 +4,15 @@ order between rounds), never written by hand.
 
 Per cell (suite, prompt set, batch, temperature, mode) and engine: the median of every
 repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
-and tau; and the orders the engines were started in (``engine_orders``,
-``both_orders``: DDTree's engine started first in one round and last in another, so
-that drift over a call does not favour it). The engines are matched by role, from their config names (bench/run.py):
-``no-spec`` (plain decoding as vLLM runs it; its ``+flag`` variants are left out); the
-chain is the config named ``dflash...``; DDTree the one named ``ddtree...`` (give
-``--ddtree`` / ``--dflash`` to pick one when a file has several). Also writes a markdown table
-(``--table``) with the ratios the goal is stated in: DDTree / the better of plain
-decoding and the chain (goal >= 0.97 everywhere), DDTree / plain decoding.
+and tau; and the orders the engines were started in (``engine_orders``; ``both_orders``:
+DDTree's engine started first in one round and last in another, so that drift over a
+call does not favour it). The engines are matched by role, from their config names
+(bench/run.py): ``no-spec`` (plain decoding as vLLM runs it; its ``+flag`` variants are
+left out); the chain is the config named ``dflash...``; DDTree the one named
+``ddtree...`` (give ``--ddtree`` / ``--dflash`` to pick one when a file has several).
+Also writes a markdown table (``--table``) with the ratios the goal is stated in: DDTree
+/ the better of plain decoding and the chain (goal >= 0.97 everywhere), DDTree / plain
+decoding.
 
     python3 bench/goals.py --held-out sharegpt-untrained --out bench/results/goals.json \\
         --table bench/results/<dir>/goals.md <round 1 json> <round 2 json>
@@ -56,15 +57,10 @@ def engine_orders(doc: dict, ddtree: str | None = None, dflash: str | None = Non
 
 
 def both_orders(orders: set) -> bool:
-    """DDTree started before and, in another round, after every other engine."""
-    others = {r for o in orders for r in o} - {"ddtree"}
-    if not others or not any("ddtree" in o for o in orders):
-        return False
-    first = any(o.index("ddtree") < min(o.index(r) for r in others if r in o)
-                for o in orders if "ddtree" in o and others & set(o))
-    last = any(o.index("ddtree") > max(o.index(r) for r in others if r in o)
-               for o in orders if "ddtree" in o and others & set(o))
-    return first and last
+    """DDTree started before every other engine of one round and after every other
+    engine of another."""
+    rounds = [o for o in orders if "ddtree" in o and len(o) > 1]
+    return any(o[0] == "ddtree" for o in rounds) and any(o[-1] == "ddtree" for o in rounds)
 
 
 def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = None) -> dict:
