@@ -12,7 +12,7 @@ left out); the chain is the config named ``dflash...``; DDTree the one named
 ``ddtree...`` (give ``--ddtree`` / ``--dflash`` to pick one when a file has several).
 Also writes a markdown table (``--table``) with the ratios the goal is stated in: DDTree
 / the better of plain decoding and the chain (goal >= 0.97 everywhere), DDTree / plain
-decoding.
+decoding, and DDTree / plain decoding within each file.
 
     python3 bench/goals.py --held-out sharegpt-untrained --out bench/results/goals.json \\
         --table bench/results/<dir>/goals.md <round 1 json> <round 2 json>
@@ -66,7 +66,7 @@ def both_orders(orders: set) -> bool:
 def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = None) -> dict:
     """{cell key: {role: {"runs": [...], "tau": [...], "config": name}, "_orders": set}}"""
     cells: dict = {}
-    for doc in docs:
+    for index, doc in enumerate(docs):
         suite = doc.get("suite")
         mode = doc.get("cell_mode") or "waves"
         orders = engine_orders(doc, ddtree, dflash)
@@ -78,16 +78,25 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
                 continue
             key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode)
             cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
-            slot = cells[key].setdefault(role, {"runs": [], "tau": [],
-                                                              "config": r["config"]})
+            slot = cells[key].setdefault(role, {"runs": [], "tau": [], "by_file": {},
+                                                "config": r["config"]})
             if slot["config"] != r["config"]:
                 raise SystemExit(f"two {role} configs in one cell ({slot['config']}, "
                                  f"{r['config']}): pick one with --{role}")
-            slot["runs"].extend(r.get("output_tokens_per_s_runs")
-                                or [r["output_tokens_per_s"]])
+            runs = r.get("output_tokens_per_s_runs") or [r["output_tokens_per_s"]]
+            slot["runs"].extend(runs)
+            slot["by_file"].setdefault(index, []).extend(runs)
             if r.get("tau") is not None:
                 slot["tau"].append(r["tau"])
     return cells
+
+
+def per_file_ratios(ddtree: dict, plain: dict) -> list[float]:
+    """DDTree / plain decoding within each result file that ran both (medians of that
+    file's runs), in the order the files were given: with one engine order a file, this
+    shows what the pooled median hides when drift over a call favours one order."""
+    return [round(statistics.median(ddtree["by_file"][i]) / statistics.median(runs), 4)
+            for i, runs in sorted(plain["by_file"].items()) if i in ddtree["by_file"]]
 
 
 def summarise(cells: dict) -> list[dict]:
@@ -117,6 +126,8 @@ def summarise(cells: dict) -> list[dict]:
                 cell["goal_met"] = cell["ddtree_vs_best_other"] >= GOAL_RATIO
             if "no-spec" in tok_s:
                 cell["ddtree_vs_no_spec"] = round(tok_s["ddtree"] / tok_s["no-spec"], 4)
+                cell["ddtree_vs_no_spec_by_file"] = per_file_ratios(roles["ddtree"],
+                                                                    roles["no-spec"])
             if "dflash" in tok_s:
                 cell["ddtree_vs_dflash"] = round(tok_s["ddtree"] / tok_s["dflash"], 4)
         out.append(cell)
@@ -125,14 +136,16 @@ def summarise(cells: dict) -> list[dict]:
 
 def table(cells: list[dict]) -> str:
     lines = ["| suite | set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
-             "DDTree / plain | tau chain / DDTree | spread plain / chain / DDTree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DDTree / plain | DDTree / plain by file | tau chain / DDTree | "
+             "spread plain / chain / DDTree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         lines.append(
             f"| {c.get('suite', '')} | {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
+            f"{' / '.join(f'{r:.2f}' for r in c.get('ddtree_vs_no_spec_by_file', []))} | "
             f"{tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
             f"{s.get('no-spec', '')} / {s.get('dflash', '')} / {s.get('ddtree', '')} |")
     return "\n".join(lines) + "\n"

@@ -45,10 +45,12 @@ def _goals_section(path: str, heading: str) -> list[str]:
         doc = json.load(f)
     cells = doc.get("cells") or []
     met = sum(1 for c in cells if c.get("goal_met"))
-    rev = doc.get("git_rev")
+    revs = doc.get("git_rev")
+    revs = revs if isinstance(revs, list) else [revs]
+    rev = ", ".join(f"`{r}`" for r in revs)
     out = [heading, "",
            f"From [`{os.path.relpath(path, ROOT)}`]({_rel(path)}); held out: "
-           f"`{doc.get('prompt_set_held_out')}`; recorded revision: `{rev}`. "
+           f"`{doc.get('prompt_set_held_out')}`; recorded revision{'s' if len(revs) > 1 else ''}: {rev}. "
            f"{doc.get('goal', '')}: met in {met} of {len(cells)} cells.", ""]
     for src in doc.get("sources") or []:
         order = ", ".join(src.get("engine_order") or [])

@@ -88,3 +88,14 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out
     assert "| fixture | held | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+
+
+def test_per_file_ratios_show_what_the_pooled_median_hides():
+    # Drift that favours the engine started last: each file's ratio keeps its order's
+    # bias, the pooled median mixes plain's and DDTree's runs of different files.
+    first = _doc(["no-spec", "ddtree-b64-t512"], {"no-spec": [100.0], "ddtree-b64-t512": [150.0]})
+    second = _doc(["ddtree-b64-t512", "no-spec"], {"no-spec": [160.0], "ddtree-b64-t512": [120.0]})
+    [cell] = G.summarise(G.gather([first, second]))
+    assert cell["ddtree_vs_no_spec_by_file"] == [1.5, 0.75]
+    assert cell["ddtree_vs_no_spec"] == round(135 / 130, 4)
+    assert "| 1.50 / 0.75 |" in G.table([cell])
