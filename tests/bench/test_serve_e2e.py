@@ -351,8 +351,19 @@ def test_a_plain_server_that_differs_is_reported_and_fails_only_when_strict(tmp_
     assert p["greedy_vs_offline_no_spec"]["identical"] == 0
     proc, r = _run_script(tmp_path, *args, "--strict-greedy", mode="plain_differs", offline=True)
     assert proc.returncode == 1
-    assert "plain_server/greedy_identical" in r["failures"]
+    assert "plain_server/greedy_matches" in r["failures"]
     assert "plain_server/features_identical" in r["failures"]
+    # Plain decoding offline explained every difference: the plain server's last token.
+    margins = r["greedy"]["margins"]
+    assert {m["position"] for m in margins["ddtree_server_vs_plain_server"]} == {15}
+    assert len(margins["plain_server"]) == 24 and not margins["ddtree_server"]
+    # The same differences at near ties of plain decoding pass the strict greedy check.
+    proc, r = _run_script(tmp_path, *args, "--strict-greedy", mode="plain_differs", offline=True,
+                          env_extra={"FAKE_OFFLINE_GAP": "0.001"})
+    assert "plain_server/greedy_matches" not in r["failures"]
+    [check] = [c for c in r["checks"]["plain_server"] if c["name"] == "greedy_matches"]
+    assert check["ok"] and "0/24 identical; the 24 others first differ at near ties" in check["message"]
+    assert r["failures"] == ["plain_server/features_identical"]
 
 
 def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp_path):
@@ -366,20 +377,36 @@ def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp
     assert [q["first_difference"] for q in f["requests"] if not q["identical"]] == [3]
 
 
-@pytest.mark.parametrize("strict", [True, False])
-def test_a_differing_offline_reference_is_reported_and_fails_only_when_strict(tmp_path, strict):
+@pytest.mark.parametrize("strict, gap", [(True, "0.5"), (False, "0.5"), (True, "0.004")])
+def test_a_differing_offline_reference_fails_when_strict_unless_a_near_tie(tmp_path, strict, gap):
     extra = ["--strict-greedy"] if strict else []
     proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60", *extra,
-                          offline=True, env_extra={"FAKE_OFFLINE_DIFFER": "same-config"})
+                          offline=True, env_extra={"FAKE_OFFLINE_DIFFER": "same-config",
+                                                   "FAKE_OFFLINE_GAP": gap})
     assert r["greedy"]["all_identical"]
     g = r["greedy_same_config"]
     assert (g["identical"], g["all_identical"]) == (23, False)
     assert g["first_difference"]["request"] == 1 and g["first_difference"]["position"] == 3
-    if strict:
+    [m] = r["greedy"]["margins"]["ddtree_server_vs_same_config"]
+    assert (m["request"], m["position"], m["logprob_gap"]) == (1, 3, float(gap))
+    assert m["near_tie"] == (float(gap) <= E.NEAR_TIE_LOGPROB_GAP)
+    if strict and not m["near_tie"]:
         assert proc.returncode == 1
-        assert r["failures"] == ["greedy/identical_to_offline_same_config"]
+        assert r["failures"] == ["greedy/matches_offline_same_config"]
     else:
         assert proc.returncode == 0 and r["passed"]
+
+
+def test_first_divergences_and_margins():
+    own = [[1, 2, 3], [1, 2, 3], [4, 5], None]
+    divs = E.first_divergences({"x": [[[1, 2, 3], [1, 9, 3], [4, 5, 6], [7]], None]}, own)
+    assert [(d["request"], d["position"], d["a_token"], d["b_token"], d["prefix"])
+            for d in divs] == [(1, 1, 9, 2, [1]), (2, 2, 6, None, [4, 5])]
+    tie = E.margin_entry(divs[0], {9: -0.7, 2: -0.695}, 2)
+    assert tie["near_tie"] and tie["logprob_gap"] == -0.005 and "prefix" not in tie
+    assert not E.margin_entry(divs[0], {9: -0.7, 2: -0.1}, 2)["near_tie"]
+    length = E.margin_entry(divs[1], None, None)
+    assert length["logprob_gap"] is None and not length["near_tie"]
 
 
 def test_an_offline_reference_that_fails_is_a_failure(tmp_path):
