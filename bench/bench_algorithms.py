@@ -36,7 +36,7 @@ from vllm_ddtree.tree_attention import (  # noqa: E402
     write_tree_attn_bias_fused,
 )
 from vllm_ddtree.tree_builder import build_trees, draft_topk, empty_tree  # noqa: E402
-from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias  # noqa: E402
+from vllm_ddtree.tree_mask import tree_ancestor_mask  # noqa: E402
 from vllm_ddtree.tree_walk import empty_walk, walk_tree, walk_tree_fused  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> None:
             t_topk = timeit(lambda: draft_topk(logits, B))
             t_tri = timeit(lambda: build_trees(logits, B, out=out, backend="triton"))
             t_tor = timeit(lambda: build_trees(logits, B, out=out, backend="torch"), repeats=5)
-            t_mask = timeit(lambda: tree_attention_bias(tree_ancestor_mask(out.node_parents, D), dtype))
+            t_mask = timeit(lambda: tree_ancestor_mask(out.node_parents))
             # Per-request bias as prepare_tree_verification writes it (buffer has
             # 2R rows of states; idx_mapping a permutation; every request a full tree).
             bias = allocate_tree_attn_bias(2 * R, B + 1, "cuda")

@@ -4,8 +4,8 @@ tests compare the product's paths with. They define what each operation computes
 engine's path, so they live here and not in ``vllm_ddtree/``.
 
 * :func:`build_tree_reference`: the best-first tree (vllm_ddtree.tree_builder).
-* :func:`tree_ancestor_mask_reference`, :func:`tree_positions_reference`,
-  :func:`rewrite_tree_positions_reference`: masks and positions (vllm_ddtree.tree_mask).
+* :func:`tree_ancestor_mask_reference`, :func:`rewrite_tree_positions_reference`: the
+  mask and the positions (vllm_ddtree.tree_mask).
 * :func:`walk_tree_reference`: the walk down a verified tree (vllm_ddtree.tree_walk).
 * :func:`reference_paged_attention`, :func:`reference_context_attention`: attention
   over a paged KV cache with per-request tree masks (vllm_ddtree.tree_attention).
@@ -15,7 +15,6 @@ engine's path, so they live here and not in ``vllm_ddtree/``.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -247,16 +246,6 @@ def tree_ancestor_mask_reference(node_parents: torch.Tensor) -> torch.Tensor:
                 j = parents[r][j]
                 steps += 1
     return mask
-
-
-def tree_positions_reference(node_depths: torch.Tensor, start_positions: torch.Tensor) -> torch.Tensor:
-    """Loop version of :func:`tree_positions`."""
-    num_req, n = node_depths.shape
-    out = torch.empty(num_req, n, dtype=torch.int64)
-    for r in range(num_req):
-        for i in range(n):
-            out[r, i] = int(start_positions[r]) + int(node_depths[r, i])
-    return out
 
 
 def rewrite_tree_positions_reference(

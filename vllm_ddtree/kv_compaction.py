@@ -58,9 +58,9 @@ __all__ = [
     "accepted_slot_moves",
     "build_kv_ptr_table",
     "compact_accepted_path_",
-    "compact_accepted_path_reference_",
+    "compact_accepted_path_torch_",
     "compact_kv_cache_",
-    "compact_kv_cache_reference_",
+    "compact_kv_cache_torch_",
     "compact_rows_",
 ]
 
@@ -168,15 +168,16 @@ def _group_moves(src: torch.Tensor, dst: torch.Tensor, moves_per_group: int | No
     return src.reshape(-1, m), dst.reshape(-1, m)
 
 
-def compact_kv_cache_reference_(
+def compact_kv_cache_torch_(
     kv_cache: torch.Tensor,
     src_slots: torch.Tensor,
     dst_slots: torch.Tensor,
     layout: Layout = "vllm",
 ) -> torch.Tensor:
-    """Reference: gather all sources, then scatter, with plain torch indexing.
+    """The unfused path (``VLLM_DDTREE_FUSED_KERNELS=0``, or no CUDA): gather all
+    sources, then scatter, with plain torch indexing.
 
-    Skips moves with a negative slot (host sync: this is the reference). Returns
+    Skips moves with a negative slot (a host sync). Returns
     ``kv_cache`` (modified in place).
     """
     block_dim, token_dim = _resolve_layout(kv_cache, layout)
@@ -279,7 +280,7 @@ def compact_kv_cache_(
             move's destination with another's source is fine. For the output of
             :func:`accepted_slot_moves` pass ``moves_per_group=D+1`` (or reshape).
         moves_per_group: M, required for 1-D inputs.
-        backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
+        backend: ``"triton"``, ``"torch"`` (the unfused path; syncs) or ``"auto"``.
     Returns:
         ``kv_cache``.
     """
@@ -289,7 +290,7 @@ def compact_kv_cache_(
     if backend == "auto":
         backend = "triton" if can_use_triton(kv_cache) else "torch"
     if backend == "torch":
-        return compact_kv_cache_reference_(kv_cache, src2, dst2, (block_dim, token_dim))
+        return compact_kv_cache_torch_(kv_cache, src2, dst2, (block_dim, token_dim))
     if backend != "triton":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not can_use_triton(kv_cache):
@@ -586,7 +587,7 @@ def _hidden_rows_view(hidden_states: torch.Tensor) -> torch.Tensor:
     return _widest_view(t, (0,))
 
 
-def compact_accepted_path_reference_(
+def compact_accepted_path_torch_(
     kv_caches: Sequence[torch.Tensor],
     hidden_states: Optional[torch.Tensor],
     accepted_nodes: torch.Tensor,
@@ -597,9 +598,9 @@ def compact_accepted_path_reference_(
     layout: Layout = "vllm",
     positions: Optional[torch.Tensor] = None,
 ) -> None:
-    """Torch version of :func:`compact_accepted_path_`: exactly the current per-layer
+    """The torch path of :func:`compact_accepted_path_` (no CUDA): the per-layer
     path of ``TreeVerifier.compact`` (hidden states gathered then scattered, then
-    :func:`compact_kv_cache_reference_` per layer, which syncs the host)."""
+    :func:`compact_kv_cache_torch_` per layer, which syncs the host)."""
     src_rows, dst_rows, src_slots, dst_slots = accepted_path_moves(
         accepted_nodes, num_accepted, query_start_loc, slot_mapping if kv_caches else None
     )
@@ -609,12 +610,12 @@ def compact_accepted_path_reference_(
         safe_dst = dst_rows.clamp(min=0)
         hidden_states[safe_dst] = hidden_states[safe_src]
     for kv_cache in kv_caches:
-        compact_kv_cache_reference_(kv_cache, src_slots, dst_slots, layout)
+        compact_kv_cache_torch_(kv_cache, src_slots, dst_slots, layout)
     if positions is not None:
-        restore_linear_positions_reference_(positions, query_start_loc, accepted_nodes.shape[0])
+        restore_linear_positions_torch_(positions, query_start_loc, accepted_nodes.shape[0])
 
 
-def restore_linear_positions_reference_(positions: torch.Tensor, query_start_loc: torch.Tensor,
+def restore_linear_positions_torch_(positions: torch.Tensor, query_start_loc: torch.Tensor,
                                         num_reqs: int) -> None:
     """Row ``qsl[r] + i`` gets position ``positions[qsl[r]] + i`` for every request r < R
     (i.e. the linear positions, undoing the tree's ``start + depth``)."""
@@ -661,7 +662,7 @@ def compact_accepted_path_(
         num_accepted: [R] int. query_start_loc: [>= R] int. slot_mapping: [T] int.
         kv_ptr_table: the :class:`KVPointerTable` returned by a previous call (or by
             :func:`build_kv_ptr_table`); built here when None or stale (the caches moved).
-        backend: ``"triton"``, ``"torch"`` (the reference; syncs) or ``"auto"``.
+        backend: ``"triton"``, ``"torch"`` (the unfused path; syncs) or ``"auto"``.
         positions: [T] int, optional: also restore every request's linear positions
             (row ``qsl[r] + i`` gets ``positions[qsl[r]] + i``; ``query_start_loc`` then
             needs R + 1 entries), in the same launch.
@@ -701,7 +702,7 @@ def compact_accepted_path_(
     if backend == "auto":
         backend = "triton" if can_use_triton(*tensors) else "torch"
     if backend == "torch":
-        compact_accepted_path_reference_(kv_caches, hidden_states, accepted_nodes, num_accepted,
+        compact_accepted_path_torch_(kv_caches, hidden_states, accepted_nodes, num_accepted,
                                          query_start_loc, slot_mapping, layout=layout,
                                          positions=positions)
         return None

@@ -11,7 +11,6 @@ query-query bias (0 for ancestor-or-self, -inf otherwise) on top of it.
 
 What lives here (torch, plus one Triton kernel; no host sync, usable inside CUDA graphs):
 
-* :func:`tree_ancestor_mask`: ``node_parents`` -> boolean ancestor-or-self mask.
 * :func:`allocate_tree_attn_bias` / :func:`write_tree_attn_bias`: the persistent
   ``[max_num_seqs, B+1, B+1]`` float32 buffer the kernel reads, rewritten in
   place before each target forward.
@@ -35,18 +34,17 @@ whose ``has_tree`` flag is False.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
 from ._triton import can_use_triton, launcher, next_power_of_2, tl
+from .tree_mask import tree_ancestor_mask
 
 __all__ = [
     "allocate_tree_attn_bias",
     "check_tree_parents",
     "register_tree_attn_bias",
-    "tree_ancestor_mask",
     "write_tree_attn_bias",
     "write_tree_attn_bias_fused",
 ]
@@ -78,39 +76,6 @@ def check_tree_parents(node_parents: torch.Tensor) -> None:
                 f"node_parents[{r}, {c + 1}] = {int(p[r, c + 1])}: a node's parent "
                 "must be a valid node with a smaller index"
             )
-
-
-def tree_ancestor_mask(node_parents: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self mask of each request's tree.
-
-    ``node_parents`` [R, N] int (N = B+1, root parent -1, parent < child).
-    Returns bool [R, N, N] with ``mask[r, i, j]`` True iff node j is node i or
-    one of its ancestors. GPU-resident and sync-free: the transitive closure
-    of "self or parent" by repeated boolean squaring (ceil(log2 N) batched
-    matmuls), so it can run inside a CUDA graph.
-    """
-    if node_parents.ndim != 2:
-        raise ValueError(
-            f"node_parents must be [num_reqs, B+1], got shape {tuple(node_parents.shape)}"
-        )
-    num_reqs, n = node_parents.shape
-    device = node_parents.device
-    # float32 matmul of 0/1 matrices with at most n terms is exact.
-    step = torch.eye(n, device=device, dtype=torch.float32).expand(num_reqs, n, n).clone()
-    parents = node_parents.to(torch.int64)
-    has_parent = parents >= 0
-    step.scatter_add_(
-        2,
-        parents.clamp(min=0).unsqueeze(-1),
-        has_parent.to(torch.float32).unsqueeze(-1),
-    )
-    step.clamp_(max=1.0)
-    closure = step
-    # After k squarings the closure covers paths of up to 2**k edges; depths
-    # are at most n - 1.
-    for _ in range(max(1, math.ceil(math.log2(max(n - 1, 1))))):
-        closure = torch.bmm(closure, closure).clamp_(max=1.0)
-    return closure > 0.5
 
 
 def allocate_tree_attn_bias(

@@ -563,7 +563,7 @@ def _check_out(out: DDTree, num_req: int, budget: int, device: torch.device) -> 
 # ----------------------------------------------------------------------------------
 
 
-def store_trees_by_state_reference_(
+def store_trees_by_state_torch_(
     trees: DDTree,
     idx_mapping: torch.Tensor,
     tokens_by_state: torch.Tensor,
@@ -571,8 +571,9 @@ def store_trees_by_state_reference_(
     depths_by_state: torch.Tensor,
     valid_by_state: torch.Tensor,
 ) -> None:
-    """The definition: row r of the batch's trees -> row ``idx_mapping[r]`` of each
-    by-state table (four indexed copies; R = ``idx_mapping.numel()``)."""
+    """The unfused path (``VLLM_DDTREE_FUSED_KERNELS=0``, or no CUDA): row r of the
+    batch's trees -> row ``idx_mapping[r]`` of each by-state table (four indexed
+    copies; R = ``idx_mapping.numel()``)."""
     r = idx_mapping.numel()
     idx = idx_mapping.long()
     tokens_by_state[idx] = trees.node_tokens[:r]
@@ -610,11 +611,11 @@ def store_trees_by_state_(
 ) -> None:
     """Copy this step's trees (batch order) into the by-state tables: ONE launch.
 
-    Same result as :func:`store_trees_by_state_reference_` (which the speculator ran
-    as four ``index_put_`` calls, ~8 launches). Every table must be contiguous with
+    Same result as :func:`store_trees_by_state_torch_` (four ``index_put_`` calls,
+    ~8 launches). Every table must be contiguous with
     N = B + 1 columns, the trees' dtypes (int64, int32, int32, bool), and on one
     device; ``idx_mapping`` holds distinct state indices (the runner's). Falls back to
-    the reference without CUDA (or ``TRITON_INTERPRET=1``). No host synchronisation.
+    the torch path without CUDA (or ``TRITON_INTERPRET=1``). No host synchronisation.
     """
     tables = (tokens_by_state, parents_by_state, depths_by_state, valid_by_state)
     srcs = (trees.node_tokens, trees.node_parents, trees.node_depths, trees.node_valid)
@@ -630,7 +631,7 @@ def store_trees_by_state_(
         return
     tensors = (idx_mapping, *srcs, *tables)
     if not can_use_triton(*tensors):
-        store_trees_by_state_reference_(trees, idx_mapping, *tables)
+        store_trees_by_state_torch_(trees, idx_mapping, *tables)
         return
     if not all(t.is_contiguous() for t in (*srcs, *tables)):
         raise ValueError("store_trees_by_state_ needs contiguous trees and tables")

@@ -1,4 +1,4 @@
-"""Tree attention mask, additive bias and positions for verifying a DDTree.
+"""Tree attention mask and positions for verifying a DDTree.
 
 All B + 1 nodes of a request's tree are verified in one target forward. Node ``i`` may
 attend the committed context (the attention backend's business, not this module's)
@@ -12,11 +12,15 @@ nodes; their outputs are ignored because they are never accepted.
 
 Shapes: ``node_parents`` [R, N] int (root: -1, parent index < child index), N = B + 1.
 
+:func:`tree_ancestor_mask` gives each request's ancestor-or-self mask (the unfused
+bias, :func:`vllm_ddtree.tree_attention.write_tree_attn_bias`, is built from it).
 :func:`rewrite_tree_positions_` rewrites the runner's linear positions of the verified
 rows to ``root + depth`` in ONE Triton launch (torch fallback where Triton cannot run).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -25,8 +29,6 @@ from ._triton import can_use_triton, launcher, tl, varying_args
 __all__ = [
     "rewrite_tree_positions_",
     "tree_ancestor_mask",
-    "tree_attention_bias",
-    "tree_positions",
 ]
 
 
@@ -39,73 +41,31 @@ def _check_parents(node_parents: torch.Tensor) -> None:
         raise ValueError("a tree needs at least the root node (N >= 1)")
 
 
-def tree_ancestor_mask(node_parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
-    """Vectorised ancestor mask, no host synchronisation.
+def tree_ancestor_mask(node_parents: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask of each request's tree.
 
-    ``max_depth`` pointer-jumping steps: after step t every node has marked its
-    ancestors up to t levels up.
-
-    Args:
-        node_parents: [R, N] int, root -1, ``parent < child``.
-        max_depth: a bound on the tree depth (a static int; the drafter's D).
-            Defaults to N - 1, always enough.
-    Returns:
-        [R, N, N] bool on the parents' device; ``mask[r, i, j]`` iff j is i or an
-        ancestor of i.
+    ``node_parents`` [R, N] int (root -1, parent < child). Returns bool [R, N, N] with
+    ``mask[r, i, j]`` True iff node j is node i or one of its ancestors. On the parents'
+    device, no host synchronisation (usable inside a CUDA graph): the transitive
+    closure of "self or parent" by repeated boolean squaring, ceil(log2 N) batched
+    matmuls.
     """
     _check_parents(node_parents)
-    num_req, n = node_parents.shape
-    if max_depth is None:
-        max_depth = n - 1
-    if max_depth < 0:
-        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    dev = node_parents.device
-    parents = node_parents.long()
-    cols = torch.arange(n, device=dev)
-    mask = (cols[:, None] == cols[None, :]).expand(num_req, n, n).clone()
-    cur = cols.expand(num_req, n)
-    for _ in range(min(max_depth, n - 1)):
-        has = cur >= 0
-        cur = torch.where(has, parents.gather(1, cur.clamp(min=0)), -1)
-        mask |= (cur[:, :, None] == cols[None, None, :]) & (cur >= 0)[:, :, None]
-    return mask
-
-
-def tree_attention_bias(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Additive attention bias from a boolean mask: 0 where allowed, -inf elsewhere.
-
-    Args:
-        mask: [..., N, N] bool (e.g. from :func:`tree_ancestor_mask`).
-        dtype: a floating dtype of the attention scores.
-    Returns:
-        [..., N, N] ``dtype``.
-    """
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool, got {mask.dtype}")
-    if not dtype.is_floating_point:
-        raise TypeError(f"bias dtype must be floating point, got {dtype}")
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, neg_inf)
-
-
-def tree_positions(node_depths: torch.Tensor, start_positions: torch.Tensor) -> torch.Tensor:
-    """Positions of tree nodes: ``start_positions[r] + node_depths[r, i]``.
-
-    Args:
-        node_depths: [R, N] int (root 0).
-        start_positions: [R] int, the position of the root (bonus) token.
-    Returns:
-        [R, N] int64.
-    """
-    if node_depths.dim() != 2:
-        raise ValueError(f"node_depths must be [R, N], got {tuple(node_depths.shape)}")
-    if start_positions.shape != (node_depths.shape[0],):
-        raise ValueError(
-            f"start_positions must be [R]=({node_depths.shape[0]},), got "
-            f"{tuple(start_positions.shape)}"
-        )
-    return start_positions.long()[:, None] + node_depths.long()
+    num_reqs, n = node_parents.shape
+    device = node_parents.device
+    # float32 matmul of 0/1 matrices with at most n terms is exact.
+    step = torch.eye(n, device=device, dtype=torch.float32).expand(num_reqs, n, n).clone()
+    parents = node_parents.to(torch.int64)
+    has_parent = parents >= 0
+    step.scatter_add_(2, parents.clamp(min=0).unsqueeze(-1),
+                      has_parent.to(torch.float32).unsqueeze(-1))
+    step.clamp_(max=1.0)
+    closure = step
+    # After k squarings the closure covers paths of up to 2**k edges; depths are at
+    # most n - 1.
+    for _ in range(max(1, math.ceil(math.log2(max(n - 1, 1))))):
+        closure = torch.bmm(closure, closure).clamp_(max=1.0)
+    return closure > 0.5
 
 
 # ----------------------------------------------- in-place rewrite of verified positions

@@ -48,7 +48,7 @@ from vllm_ddtree.tree_attention import (
     write_tree_attn_bias,
     write_tree_attn_bias_fused,
 )
-from vllm_ddtree.tree_builder import store_trees_by_state_, store_trees_by_state_reference_
+from vllm_ddtree.tree_builder import store_trees_by_state_, store_trees_by_state_torch_
 from vllm_ddtree.tree_mask import rewrite_tree_positions_
 from vllm_ddtree.tree_walk import step_walk_outputs, walk_tree, walk_tree_fused
 
@@ -156,7 +156,7 @@ class TreeVerifier:
         if self.fused_kernels:
             store_trees_by_state_(trees, idx_mapping, *by_state)
         else:
-            store_trees_by_state_reference_(trees, idx_mapping, *by_state)
+            store_trees_by_state_torch_(trees, idx_mapping, *by_state)
 
     def clear_trees(self, idx_mapping: torch.Tensor) -> None:
         clear_trees_(self.valid_by_state, idx_mapping, self._no_tree)

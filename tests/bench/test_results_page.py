@@ -18,13 +18,31 @@ def test_the_committed_page_is_the_generated_one():
             "docs/results.md is stale: run python3 bench/results_page.py")
 
 
-def test_check_mode_fails_on_a_stale_page(tmp_path, monkeypatch):
+def test_the_committed_plot_is_the_generated_one():
+    path = os.path.join(os.path.dirname(results_page.PAGE), results_page.GOALS_PLOT)
+    with open(path) as f:
+        assert f.read() == results_page.render_goals_plot()
+
+
+def test_check_mode_fails_on_a_stale_page_or_plot(tmp_path, monkeypatch):
     page = tmp_path / "results.md"
     page.write_text("old\n")
     monkeypatch.setattr(results_page, "PAGE", str(page))
     assert results_page.main(["--check"]) == 1
     assert page.read_text() == "old\n"  # --check writes nothing
     assert results_page.main([]) == 0 and results_page.main(["--check"]) == 0
+    (tmp_path / results_page.GOALS_PLOT).write_text("<svg/>\n")
+    assert results_page.main(["--check"]) == 1
+
+
+def test_the_plot_draws_each_cell_and_each_files_ratio():
+    cells = [{"suite": "fixture", "temperature": t, "batch": b, "ddtree_vs_no_spec": 1.1,
+              "ddtree_vs_no_spec_by_file": [1.3, 0.82]} for t in (0.0, 1.0) for b in (1, 4, 16)]
+    svg = results_page.goals_svg(cells)
+    assert svg.count("<polyline") == 2 and svg.count("<circle") == 12
+    assert "fixture, T=1: DDTree / plain decoding" in svg
+    assert ">0.8<" in svg and ">1.2<" in svg  # the axis spans the lowest and highest ratio
+    assert results_page.goals_svg([]) == ""
 
 
 def test_the_page_shows_the_files_it_is_made_of(tmp_path):

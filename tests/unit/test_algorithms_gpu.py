@@ -12,12 +12,12 @@ import torch
 from vllm_ddtree.kv_compaction import (
     accepted_slot_moves,
     compact_kv_cache_,
-    compact_kv_cache_reference_,
+    compact_kv_cache_torch_,
     compact_rows_,
 )
 from vllm_ddtree.tree_builder import build_trees, empty_tree
 from tests.references import build_tree_reference
-from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias
+from vllm_ddtree.tree_mask import tree_ancestor_mask
 from tests.references import tree_ancestor_mask_reference
 from vllm_ddtree.tree_walk import walk_tree
 from tests.references import walk_tree_reference
@@ -54,8 +54,9 @@ def test_builder_on_gpu(R, D, V, B, top_k):
 
 def _pipeline(logits, target, tree_slots, kv, hidden, out, budget, depth):
     tree = build_trees(logits, budget, out=out, backend="triton")
-    mask = tree_ancestor_mask(tree.node_parents, depth)
-    bias = tree_attention_bias(mask, torch.bfloat16)
+    mask = tree_ancestor_mask(tree.node_parents)
+    bias = torch.zeros(mask.shape, dtype=torch.bfloat16, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
     walk = walk_tree(tree.node_tokens, tree.node_parents, tree.node_valid, target, depth)
     src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
     compact_kv_cache_(kv, src, dst, "vllm", moves_per_group=depth + 1, backend="triton")
@@ -147,7 +148,7 @@ def test_kv_compaction_aliasing_under_parallelism(dtype):
     tree_slots = starts[:, None] + torch.arange(B + 1)
     src, dst = accepted_slot_moves(acc, tree_slots)
     ref = raw.permute(0, 2, 1, 3).clone()
-    compact_kv_cache_reference_(ref, src, dst)
+    compact_kv_cache_torch_(ref, src, dst)
     for _ in range(3):
         got = raw.cuda().permute(0, 2, 1, 3)
         compact_kv_cache_(got, src.cuda(), dst.cuda(), moves_per_group=D + 1, backend="triton")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_ddtree import _triton
-from vllm_ddtree.kv_compaction import _compact_kv_kernel, accepted_slot_moves, compact_kv_cache_, compact_kv_cache_reference_, compact_rows_
+from vllm_ddtree.kv_compaction import _compact_kv_kernel, accepted_slot_moves, compact_kv_cache_, compact_kv_cache_torch_, compact_rows_
 from tests.references import compact_rows_reference_
 from vllm_ddtree.tree_builder import build_trees
 from vllm_ddtree.tree_walk import walk_tree
@@ -94,7 +94,7 @@ def test_kernel_matches_reference_and_semantics(triton_device, kind, dtype):
     src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
     before = kv.clone()
     ref = kv.clone()
-    compact_kv_cache_reference_(ref, src, dst, layout)
+    compact_kv_cache_torch_(ref, src, dst, layout)
 
     dev_kv = kv.to(triton_device)
     if kind == "vllm_nhd":  # keep the permuted strides on the device copy
@@ -128,7 +128,7 @@ def test_overlapping_moves_need_gather_then_scatter(triton_device):
     for s, d in reversed(list(zip(src.tolist(), dst.tolist()))):
         naive[d // BS, :, d % BS] = naive[s // BS, :, s % BS]
     good = kv.clone()
-    compact_kv_cache_reference_(good, src, dst)
+    compact_kv_cache_torch_(good, src, dst)
     assert not torch.equal(naive, good), "the case must be sensitive to the copy order"
     for j, i in enumerate([0, 2, 3, 5]):
         assert torch.equal(good[3, :, j], kv[3, :, i])
@@ -156,7 +156,7 @@ def test_many_groups_and_flat_input(triton_device):
     walk, tree_slots = _scenario(gen, num_req=6, budget=8, depth=5)
     kv = torch.randn(NB, H, BS, 2 * HS, generator=gen)
     src, dst = accepted_slot_moves(walk.accepted_nodes, tree_slots)
-    ref = compact_kv_cache_reference_(kv.clone(), src, dst)
+    ref = compact_kv_cache_torch_(kv.clone(), src, dst)
     w = walk.accepted_nodes.shape[1]
     one = (src.view(1, -1), dst.view(1, -1), None)  # a single group is always safe
     for s_, d_, mpg in ((src, dst, w), (src.view(-1, w), dst.view(-1, w), None), one):

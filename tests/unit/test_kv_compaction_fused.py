@@ -13,7 +13,7 @@ from vllm_ddtree.kv_compaction import (
     accepted_path_moves,
     build_kv_ptr_table,
     compact_accepted_path_,
-    compact_accepted_path_reference_,
+    compact_accepted_path_torch_,
     compact_kv_cache_,
 )
 
@@ -239,7 +239,7 @@ def test_kv_only_hidden_only_and_empty(triton_device):
     caches = _make_caches("hnd", 2, torch.bfloat16, gen, DEV)
     hidden = _rand(gen, (slots.shape[0], 16), torch.bfloat16).to(DEV)
     want_kv, want_h = [c.clone() for c in caches], hidden.clone()
-    compact_accepted_path_reference_(want_kv, want_h, acc, num_acc, qsl, slots)
+    compact_accepted_path_torch_(want_kv, want_h, acc, num_acc, qsl, slots)
     compact_accepted_path_(caches, None, acc, num_acc, qsl, slots, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(caches, want_kv))
     assert compact_accepted_path_([], hidden, acc, num_acc, qsl, None, backend="triton") is None
@@ -309,7 +309,7 @@ def test_stale_table_is_rebuilt(triton_device):
     table = build_kv_ptr_table(old)
     caches = _make_caches("nhd", 2, torch.float32, gen, DEV)
     want = [c.clone() for c in caches]
-    compact_accepted_path_reference_(want, None, acc, num_acc, qsl, slots)
+    compact_accepted_path_torch_(want, None, acc, num_acc, qsl, slots)
     new_table = compact_accepted_path_(caches, None, acc, num_acc, qsl, slots, kv_ptr_table=table,
                                        backend="triton")
     assert new_table is not table and new_table.matches(caches)
@@ -350,7 +350,7 @@ def test_positions_are_restored_in_the_same_launch(triton_device, monkeypatch, w
     caches = _make_caches("nhd", 2, torch.float32, gen, DEV) if with_kv else []
     hidden = _rand(gen, (slots.shape[0], 8), torch.float32).to(DEV)
     want_kv, want_h = [c.clone() for c in caches], hidden.clone()
-    compact_accepted_path_reference_(want_kv, want_h, acc, num_acc, qsl, slots if with_kv else None)
+    compact_accepted_path_torch_(want_kv, want_h, acc, num_acc, qsl, slots if with_kv else None)
     launches = _count_launches(monkeypatch)
     compact_accepted_path_(caches, hidden, acc, num_acc, qsl, slots if with_kv else None,
                            backend="triton", positions=pos)

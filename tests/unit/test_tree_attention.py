@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, register_tree_attn_bias, tree_ancestor_mask, write_tree_attn_bias
+from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, register_tree_attn_bias, write_tree_attn_bias
+from vllm_ddtree.tree_mask import tree_ancestor_mask
 from tests.references import reference_paged_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Tree attention mask / bias / positions: vectorised vs loop reference."""
+"""The tree ancestor mask: vectorised vs loop reference."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vllm_ddtree.tree_builder import build_trees
-from vllm_ddtree.tree_mask import tree_ancestor_mask, tree_attention_bias, tree_positions
-from tests.references import tree_ancestor_mask_reference, tree_positions_reference
+from vllm_ddtree.tree_mask import tree_ancestor_mask
+from tests.references import tree_ancestor_mask_reference
 
 
 def _random_parents(num_req: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -32,11 +32,8 @@ def test_mask_matches_reference_random_trees(num_req, n):
     parents = _random_parents(num_req, n, gen)
     ref = tree_ancestor_mask_reference(parents)
     assert torch.equal(tree_ancestor_mask(parents), ref)
-    # the true max depth is enough steps
-    max_depth = int(_depths(parents).max())
-    assert torch.equal(tree_ancestor_mask(parents, max_depth), ref)
-    if max_depth > 1:  # too few steps must miss ancestors (the bound matters)
-        assert not torch.equal(tree_ancestor_mask(parents, max_depth - 1), ref)
+    # every row holds the node's depth + 1 entries (itself and each ancestor)
+    assert torch.equal(tree_ancestor_mask(parents).sum(-1), _depths(parents).long() + 1)
 
 
 def test_mask_chain_and_star():
@@ -53,7 +50,7 @@ def test_mask_on_built_trees_with_padding():
     # V = 2, D = 2 holds 6 nodes; B = 9 gives 3 padding nodes (parent 0, depth 1).
     gen = torch.Generator().manual_seed(0)
     tree = build_trees(torch.randn(3, 2, 2, generator=gen), 9, backend="torch")
-    mask = tree_ancestor_mask(tree.node_parents, max_depth=2)
+    mask = tree_ancestor_mask(tree.node_parents)
     assert torch.equal(mask, tree_ancestor_mask_reference(tree.node_parents))
     pad = ~tree.node_valid
     assert pad.sum() == 9
@@ -70,41 +67,12 @@ def test_mask_on_built_trees_with_padding():
     assert torch.equal(mask.sum(-1), tree.node_depths.long() + 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_bias(dtype):
-    parents = torch.tensor([[-1, 0, 1, 0], [-1, 0, 0, 2]])
-    mask = tree_ancestor_mask(parents)
-    bias = tree_attention_bias(mask, dtype)
-    assert bias.dtype == dtype and bias.shape == (2, 4, 4)
-    assert torch.equal(bias == 0, mask)
-    assert torch.isneginf(bias[~mask]).all()
-    # softmax with the bias ignores the masked scores entirely
-    scores = torch.randn(2, 4, 4).to(dtype)
-    probs = torch.softmax((scores + bias).float(), -1)
-    assert torch.all(probs[~mask] == 0)
-
-
-def test_positions():
-    gen = torch.Generator().manual_seed(1)
-    parents = _random_parents(3, 12, gen)
-    depths = _depths(parents)
-    start = torch.tensor([0, 5, 1000])
-    pos = tree_positions(depths, start)
-    assert pos.dtype == torch.int64
-    assert torch.equal(pos, tree_positions_reference(depths, start))
-    assert torch.equal(pos[:, 0], start)
-
-
 def test_bad_inputs():
     with pytest.raises(ValueError, match=r"\[R, N\]"):
         tree_ancestor_mask(torch.tensor([-1, 0, 1]))
     with pytest.raises(TypeError, match="integer"):
         tree_ancestor_mask(torch.tensor([[-1.0, 0.0]]))
-    with pytest.raises(TypeError, match="bool"):
-        tree_attention_bias(torch.zeros(2, 2))
-    with pytest.raises(TypeError, match="floating"):
-        tree_attention_bias(torch.zeros(2, 2, dtype=torch.bool), torch.int32)
-    with pytest.raises(ValueError, match="start_positions"):
-        tree_positions(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="at least the root"):
+        tree_ancestor_mask(torch.zeros(2, 0, dtype=torch.int64))
     with pytest.raises(ValueError, match="broken parent chain"):
         tree_ancestor_mask_reference(torch.tensor([[-1, 5, 1]]))

@@ -9,7 +9,7 @@ from vllm_ddtree.tree_builder import (
     build_trees,
     empty_tree,
     store_trees_by_state_,
-    store_trees_by_state_reference_,
+    store_trees_by_state_torch_,
 )
 
 
@@ -36,7 +36,7 @@ def test_matches_the_indexed_copies(triton_device, num_reqs, budget, vocab):
     got = tables(states, budget + 1, triton_device)
     want = tables(states, budget + 1, triton_device)
     store_trees_by_state_(trees, idx, *got)
-    store_trees_by_state_reference_(trees, idx, *want)
+    store_trees_by_state_torch_(trees, idx, *want)
     for g, w in zip(got, want):
         assert torch.equal(g.cpu(), w.cpu())
     # Rows of states outside the batch are untouched.

@@ -35,7 +35,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, tree_ancestor_mask, write_tree_attn_bias  # noqa: E402
+from vllm_ddtree.tree_attention import allocate_tree_attn_bias, check_tree_parents, write_tree_attn_bias  # noqa: E402
+from vllm_ddtree.tree_mask import tree_ancestor_mask  # noqa: E402
 from tests.references import reference_context_attention, reference_paged_attention  # noqa: E402
 
 OPS = "vllm/v1/attention/ops"
