@@ -193,6 +193,17 @@ def compact_kv_cache_torch_(
     return kv_cache
 
 
+# Elements one program moves per chunk (BLOCK_M moves x BLOCK_E elements), held in
+# registers across the barrier between the reads and the writes. 4096 spilled under
+# Triton 3.8 at 64 moves (tests/unit/test_kernels_compile.py); 2048 does not.
+TILE_ELEMENTS = 2048
+
+
+def tile_width(block_m: int, widest: int) -> int:
+    """BLOCK_E for ``block_m`` moves a program over rows of ``widest`` elements."""
+    return max(16, min(next_power_of_2(widest), TILE_ELEMENTS // block_m))
+
+
 def _compact_kv_kernel(
     kv_ptr,
     src_ptr,  # [G, M] int
@@ -312,7 +323,7 @@ def compact_kv_cache_(
     src2 = src2.contiguous()
     dst2 = dst2.contiguous()
     block_m = next_power_of_2(m)
-    block_e = max(16, min(next_power_of_2(inner), max(64, 2048 // block_m)))
+    block_e = tile_width(block_m, inner)
     grid = (groups, (inner + block_e - 1) // block_e)
     jit(_compact_kv_kernel)[grid](
         target,
@@ -731,7 +742,7 @@ def compact_accepted_path_(
 
     block_m = next_power_of_2(width)
     widest = max(table.inner if has_kv else 1, hid.shape[1] if has_hid else 1)
-    block_e = max(16, min(next_power_of_2(widest), max(64, 2048 // block_m)))
+    block_e = tile_width(block_m, widest)
     kv_chunks = (table.inner + block_e - 1) // block_e if has_kv else 0
     num_layers = table.num_layers if has_kv else 0
     hid_chunks = (hid.shape[1] + block_e - 1) // block_e if has_hid else 0

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from vllm_ddtree.kv_compaction import _compact_kv_kernel, _compact_path_kernel  # noqa: E402
+from vllm_ddtree.kv_compaction import _compact_kv_kernel, _compact_path_kernel, tile_width  # noqa: E402
 from vllm_ddtree.tree_attention import (  # noqa: E402
     _tree_attn_bias_kernel,
     tree_attn_bias_launch_config,
@@ -100,11 +100,11 @@ def main() -> int:
                                  {(12,): has_root, (13,): block, (14,): pad_block},
                                  {"num_warps": 1 if block < 256 else 4}))
     for dtype in ("*bf16", "*fp8e4nv", "*i64"):
-        for bm, be in ((1, 2048), (16, 128), (64, 64)):
+        for bm, be in ((m, tile_width(m, 1 << 20)) for m in (2, 16, 64)):
             sig = dict(KV_SIG, kv_ptr=dtype)
             variants.append((f"kv{dtype}", _compact_kv_kernel, sig, {(13,): bm, (14,): be}, {}))
     for dtype in ("*bf16", "*fp8e4nv", "*i64"):
-        for bm, be in ((1, 2048), (16, 128), (64, 64)):
+        for bm, be in ((m, tile_width(m, 1 << 20)) for m in (2, 16, 64)):
             sig = dict(PATH_SIG, kv_ptr=dtype)
             for has_pos in (True, False):
                 variants.append((f"path{dtype}", _compact_path_kernel, sig,
