@@ -372,6 +372,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-defaults", action="store_true",
                    help="first start `vllm serve TARGET --speculative-config ...` with no other "
                         "flag (vLLM's defaults, port 8000, CUDA graphs) and serve a small load")
+    p.add_argument("--defaults-budget", type=int, default=64,
+                   help="--server-defaults: num_speculative_tokens (default: the benchmarks' 64)")
+    p.add_argument("--defaults-tokens-per-step", type=int, default=512,
+                   help="--server-defaults: ddtree_tokens_per_step (default: the benchmarks' "
+                        "512; 0 leaves it unset)")
     p.add_argument("--plain-server", action="store_true",
                    help="also start vLLM's server without speculation (same flags) and "
                         "compare its answers with the DDTree server's")
@@ -1219,11 +1224,14 @@ def port_free(port: int) -> bool:
 def run_server_defaults(run: Run, prefix: list[str]) -> None:
     """``--server-defaults``: ``vllm serve TARGET --speculative-config JSON`` and no other
     flag (vLLM's port, memory share, context length, concurrency, tokens per step and CUDA
-    graphs as it picks them), as a user starts it from the docs. It must become healthy,
+    graphs as it picks them), as a user starts it from the docs; the config is the
+    benchmarks' (``--defaults-budget`` 64, ``--defaults-tokens-per-step`` 512), which once
+    did not start on vLLM's defaults. It must become healthy,
     answer a completion and a chat completion, and serve ``--concurrency`` streamed
     requests without an error; DDTree's log lines about what it changed are kept."""
     args = run.args
-    spec = speculative_config(args.drafter, args.budget)
+    spec = speculative_config(args.drafter, args.defaults_budget,
+                              ddtree_tokens_per_step=args.defaults_tokens_per_step or None)
     cmd = prefix + ["serve", args.target, "--speculative-config", json.dumps(spec)]
     stdout_path = os.path.join(args.log_dir, "defaults-server.stdout.log")
     stderr_path = os.path.join(args.log_dir, "defaults-server.stderr.log")

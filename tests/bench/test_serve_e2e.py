@@ -304,7 +304,7 @@ def test_server_defaults_start_with_only_the_speculative_config(tmp_path):
     # Nothing but the target and the speculative config after `serve`.
     assert argv[argv.index("serve") + 1:] == [
         str(tmp_path), "--speculative-config",
-        json.dumps(E.speculative_config(DRAFTER, 32))]
+        json.dumps(E.speculative_config(DRAFTER, 64, ddtree_tokens_per_step=512))]
     assert d["startup"]["ok"] and d["model"] == str(tmp_path)
     assert d["load"] == dict(d["load"], num_requests=8, errors=0)
     assert [c["name"] for c in r["checks"]["server_defaults"]] == [
