@@ -33,6 +33,10 @@ process this script started and writes what it has if the budget is overrun):
 5. ``load``: ``--num-requests`` streamed greedy completions (``ignore_eos``) from
    ``--concurrency`` concurrent clients; zero errors required; latency percentiles and
    output tokens/s recorded, token ids kept (``return_token_ids``).
+   ``feature_load``: ``--feature-load`` requests cycling through the feature settings
+   (streamed and not, T=0 and seeded T=1, each on another prompt) at ``--concurrency``;
+   each must be answered as asked; in phase 6 compared with plain decoding offline
+   (``feature_load_vs_no_spec``; a failure only with ``--strict-greedy``).
    ``plain_server`` (``--plain-server``): the server is stopped and vLLM's server
    without speculation started with the same flags; it gets the same feature requests
    and load, and its answers are compared with the DDTree server's
@@ -372,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-defaults", action="store_true",
                    help="first start `vllm serve TARGET --speculative-config ...` with no other "
                         "flag (vLLM's defaults, port 8000, CUDA graphs) and serve a small load")
+    p.add_argument("--feature-load", type=int, default=128,
+                   help="requests of the mixed feature load (the feature settings in turn, "
+                        "at --concurrency); 0 skips it")
     p.add_argument("--defaults-budget", type=int, default=64,
                    help="--server-defaults: num_speculative_tokens (default: the benchmarks' 64)")
     p.add_argument("--defaults-tokens-per-step", type=int, default=512,
@@ -972,12 +979,19 @@ def _feature_record(req: dict, status: int, body: str, events: list | None) -> d
     return rec
 
 
-async def _send_features(base: str, reqs: list[dict], timeout_s: float) -> list[dict]:
+async def _send_features(base: str, reqs: list[dict], timeout_s: float,
+                         concurrency: int | None = None) -> list[dict]:
+    """Send ``reqs`` (all at once, or at most ``concurrency`` in flight)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    sem = asyncio.Semaphore(concurrency or max(len(reqs), 1))
 
     async def one(session, req: dict) -> dict:
+        async with sem:
+            return await _one_feature(session, req)
+
+    async def _one_feature(session, req: dict) -> dict:
         try:
             async with session.post(base + "/v1/completions", json=req["body"],
                                     timeout=timeout) as resp:
@@ -1016,28 +1030,52 @@ def json_answer_ok(text: str | None, field: str, finish_reason: str | None) -> b
 
 
 def feature_tag(req: dict) -> str:
-    return f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}"
+    return req.get("tag") or (
+        f"{req['name']}_T{req['temperature']:g}_{'stream' if req['stream'] else 'nonstream'}")
+
+
+def feature_load_requests(model: str, n: int) -> list[dict]:
+    """``n`` feature requests for the mixed load: the feature phase's settings in turn
+    (ordinary ones among them), each on another built-in prompt, seeded T=1 ones with
+    their own seed."""
+    base, prompts = feature_requests(model), builtin_prompts()
+    out = []
+    for i in range(n):
+        q = json.loads(json.dumps(base[i % len(base)]))
+        q["body"]["prompt"] = prompts[(7 * i + 3) % len(prompts)]
+        if q["temperature"]:
+            q["body"]["seed"] = 5000 + i
+        q["tag"] = f"load{i}_{feature_tag(q)}"
+        out.append(q)
+    return out
+
+
+def feature_answer_ok(req: dict, rec: dict) -> bool:
+    """A feature request answered as asked: 200 with tokens, the asked number of top
+    logprobs for every token, a prompt logprob for every prompt token but the first,
+    a JSON answer where the grammar asked for one."""
+    ok = rec["status"] == 200 and bool(rec["token_ids"])
+    if ok and req["logprobs"]:
+        counts = rec["top_counts"] or []
+        ok = (len(counts) == len(rec["token_ids"]) == len(rec["token_logprobs"] or [])
+              and all(n >= req["logprobs"] for n in counts))
+    if ok and req.get("prompt_logprobs"):
+        vals = rec["prompt_token_logprobs"] or []
+        ok = (len(vals) == len(rec["prompt_token_ids"] or []) > 1
+              and all(v is not None for v in vals[1:]))
+    if ok and req["json_field"]:
+        ok = json_answer_ok(rec["text"], req["json_field"], rec["finish_reason"])
+    return ok
 
 
 def check_features(run: Run, base: str) -> None:
     reqs = feature_requests(SERVED_MODEL_NAME)
     records = asyncio.run(_send_features(base, reqs, run.args.request_timeout))
     for req, rec in zip(reqs, records):
-        ok = rec["status"] == 200 and bool(rec["token_ids"])
-        if ok and req["logprobs"]:
-            counts = rec["top_counts"] or []
-            ok = (len(counts) == len(rec["token_ids"]) == len(rec["token_logprobs"] or [])
-                  and all(n >= req["logprobs"] for n in counts))
-        if ok and req.get("prompt_logprobs"):
-            vals = rec["prompt_token_logprobs"] or []
-            ok = (len(vals) == len(rec["prompt_token_ids"] or []) > 1
-                  and all(v is not None for v in vals[1:]))
-        if ok and req["json_field"]:
-            ok = json_answer_ok(rec["text"], req["json_field"], rec["finish_reason"])
         tag = feature_tag(req)
         rec["check"] = tag
-        run.check("features", tag, ok, status=rec["status"], answer=rec["text"],
-                  message=rec["message"])
+        run.check("features", tag, feature_answer_ok(req, rec), status=rec["status"],
+                  answer=rec["text"], message=rec["message"])
     # The chat route of structured outputs: response_format json_schema.
     chat = {"model": SERVED_MODEL_NAME, "max_tokens": 64, "temperature": 0,
             "messages": [{"role": "user", "content": "Give me a name as JSON."}],
@@ -1056,10 +1094,11 @@ def check_features(run: Run, base: str) -> None:
     run.result["features"] = records
 
 
-def feature_reference_requests(records: list[dict]) -> list[dict]:
+def feature_reference_requests(records: list[dict], reqs: list[dict] | None = None) -> list[dict]:
     """The answered feature requests as the offline reference replays them: the server's
-    prompt token ids and the request's sampling fields."""
-    by_tag = {feature_tag(q): q for q in feature_requests(SERVED_MODEL_NAME)}
+    prompt token ids and the request's sampling fields (``reqs``: the requests sent,
+    default the feature phase's)."""
+    by_tag = {feature_tag(q): q for q in (reqs or feature_requests(SERVED_MODEL_NAME))}
     out = []
     for rec in records:
         if rec.get("status") != 200 or not rec.get("prompt_token_ids"):
@@ -1203,6 +1242,40 @@ def run_load(run: Run, base: str) -> list[dict]:
           f"{summary['output_tokens_per_s']} tok/s, p50 {summary['latency'].get('p50_s')} s, "
           f"p99 {summary['latency'].get('p99_s')} s", flush=True)
     return results
+
+
+def run_feature_load(run: Run, base: str) -> None:
+    """``--feature-load`` requests of the feature settings in turn, streamed and not,
+    at ``--concurrency``: every one answered as asked (``feature_answer_ok``)."""
+    args = run.args
+    reqs = feature_load_requests(SERVED_MODEL_NAME, args.feature_load)
+    t0 = time.monotonic()
+    try:
+        records = asyncio.run(asyncio.wait_for(
+            _send_features(base, reqs, args.request_timeout, args.concurrency),
+            load_deadline(run, len(reqs))))
+    except Exception as exc:  # noqa: BLE001 - includes the phase timeout
+        run.check("feature_load", "completed", False, message=repr(exc))
+        return
+    wall = time.monotonic() - t0
+    bad = []
+    for req, rec in zip(reqs, records):
+        rec["check"] = feature_tag(req)
+        if not feature_answer_ok(req, rec):
+            bad.append(rec)
+    tokens = sum(len(r["token_ids"] or []) for r in records if r["status"] == 200)
+    run.result["feature_load"] = {
+        "num_requests": len(reqs), "concurrency": args.concurrency, "errors": len(bad),
+        "settings": sorted({r["name"] for r in reqs}), "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+        "error_samples": [{"check": r["check"], "status": r["status"], "message": r["message"]}
+                          for r in bad[:10]],
+        "records": records}
+    run.check("feature_load", "zero_errors", not bad, errors=len(bad),
+              message=(f"{bad[0]['check']}: HTTP {bad[0]['status']} {bad[0]['message'] or ''}"
+                       if bad else None))
+    print(f"feature load: {len(reqs)} requests at concurrency {args.concurrency}, "
+          f"{len(bad)} errors", flush=True)
 
 
 # --------------------------------------------------------------------------- vLLM's defaults
@@ -1390,6 +1463,14 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
         limit = load_deadline(run, max(len(prompts), 1))
         results, wall = asyncio.run(asyncio.wait_for(
             _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
+        mixed = None
+        if (run.result.get("feature_load") or {}).get("records"):
+            load_reqs = feature_load_requests(SERVED_MODEL_NAME, args.feature_load)
+            mixed = asyncio.run(asyncio.wait_for(
+                _send_features(base, load_reqs, args.request_timeout, args.concurrency),
+                load_deadline(run, len(load_reqs))))
+            for req, rec in zip(load_reqs, mixed):
+                rec["check"] = feature_tag(req)
     finally:
         info["stop"] = run.procs.stop(proc)
     info["features"] = records
@@ -1408,8 +1489,17 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
           f"identical (logprobs within {feats['max_logprob_abs_diff']}, prompt logprobs within "
           f"{feats['max_prompt_logprob_abs_diff']}), greedy load {greedy['identical']}/"
           f"{greedy['total']} identical", flush=True)
+    if mixed is not None:
+        info["feature_load_vs_ddtree"] = compare_features(
+            run.result["feature_load"]["records"], as_reference(mixed))
+        m = info["feature_load_vs_ddtree"]
+        print(f"DDTree server vs plain server, feature load: {m['identical']}/{m['total']} "
+              f"identical (logprobs within {m['max_logprob_abs_diff']})", flush=True)
     if args.strict_greedy:
         check_identical(run, "plain_server", "features_identical", feats)
+        if mixed is not None:
+            check_identical(run, "plain_server", "feature_load_identical",
+                            info["feature_load_vs_ddtree"])
         if not explains_offline(args):
             check_identical(run, "plain_server", "greedy_matches", greedy)
 
@@ -1598,6 +1688,10 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
     if reference == "no-spec":
         spec["requests"] = feature_reference_requests(run.result.get("features") or [])
+        load_records = (run.result.get("feature_load") or {}).get("records") or []
+        if load_records:
+            spec["requests"] += feature_reference_requests(
+                load_records, feature_load_requests(SERVED_MODEL_NAME, args.feature_load))
         spec["explain"] = explain_pairs(run, usable)
     if reference == "same-config":
         # The server's speculative config; DDTree picks its attention backend itself.
@@ -1663,6 +1757,15 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
               f"within {feats['max_prompt_logprob_abs_diff']}", flush=True)
         if args.strict_greedy:
             check_identical(run, "features", "identical_to_no_spec", feats)
+        load_records = (run.result.get("feature_load") or {}).get("records") or []
+        if load_records:
+            mixed = compare_features(load_records, offline.get("requests") or [])
+            run.result["feature_load_vs_no_spec"] = mixed
+            print(f"feature load vs offline {reference}: {mixed['identical']}/"
+                  f"{mixed['total']} identical, logprobs within "
+                  f"{mixed['max_logprob_abs_diff']}", flush=True)
+            if args.strict_greedy:
+                check_identical(run, "feature_load", "identical_to_no_spec", mixed)
 
 
 # --------------------------------------------------------------------------- main
@@ -1738,6 +1841,8 @@ def main(argv: list[str] | None = None) -> int:
             phase("bad_requests", check_bad_requests, run, base)
             phase("features", check_features, run, base)
             load = phase("load", run_load, run, base) or []
+            if args.feature_load:
+                phase("feature_load", run_feature_load, run, base)
             phase("metrics", check_metrics, run, base, "after_load", True)
         run.result["server"]["stop"] = run.procs.stop(server)
         server = None

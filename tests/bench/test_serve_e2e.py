@@ -223,7 +223,8 @@ def _run_script(tmp_path, *extra, mode="", timeout=90, env_extra=None, offline=F
     argv = [sys.executable, SCRIPT, "--target", str(tmp_path), "--drafter", DRAFTER,
             "--out", str(out), "--log-dir", str(tmp_path / "logs"),
             "--server-cmd", f"{sys.executable} {FAKE}", *offline_args,
-            "--concurrency", "8", "--num-requests", "24", "--max-tokens", "16", *extra]
+            "--concurrency", "8", "--num-requests", "24", "--max-tokens", "16",
+            "--feature-load", "30", *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
@@ -256,6 +257,10 @@ def test_flow_against_fake_server_passes(tmp_path):
     names = {c["name"] for c in r["checks"]["features"]}
     assert "chat_response_format_json_schema" in names and "logprobs_T1_stream" in names
     assert r["load"]["errors"] == 0 and r["load"]["num_requests"] == 24
+    fl = r["feature_load"]
+    assert (fl["num_requests"], fl["errors"], fl["concurrency"]) == (30, 0, 8)
+    assert set(fl["settings"]) == {f["name"] for f in features}
+    assert "zero_errors" in {c["name"] for c in r["checks"]["feature_load"]}
     assert r["load"]["latency"]["p99_s"] is not None
     m = r["spec_decode_metrics"]["after_load"]
     assert m["counters_positive"] and m["mean_acceptance_length"] > 1
@@ -284,8 +289,15 @@ def test_offline_references_both_compared_token_for_token(tmp_path):
     assert sum("max_prompt_logprob_abs_diff" in q for q in f["requests"]) == 2
     assert "features/identical_to_no_spec" not in r["failures"]
     spec = json.loads((tmp_path / "logs" / "offline-spec.json").read_text())
-    seeded = [q for q in spec["requests"] if q["params"]["temperature"]]
+    seeded = [q for q in spec["requests"] if q["params"]["temperature"]
+              and not q["check"].startswith("load")]
     assert len(seeded) == 13 and all(q["params"]["seed"] >= 1000 for q in seeded)
+    # The mixed feature load replayed beside them, each request with its own seed.
+    loaded = [q for q in spec["requests"] if q["check"].startswith("load")]
+    assert len(loaded) == 30 and len({q["check"] for q in loaded}) == 30
+    assert len({q["params"].get("seed") for q in loaded if q["params"]["temperature"]}) == 15
+    m = r["feature_load_vs_no_spec"]
+    assert (m["identical"], m["total"]) == (30, 30)
     assert any("structured_outputs" in q["params"] and "ignore_eos" not in q["params"]
                for q in spec["requests"])
 
@@ -349,10 +361,13 @@ def test_a_plain_server_that_differs_is_reported_and_fails_only_when_strict(tmp_
     assert p["greedy_vs_ddtree"]["first_difference"]["position"] == 15  # the last of 16
     # The control: the plain server against plain decoding offline differs the same way.
     assert p["greedy_vs_offline_no_spec"]["identical"] == 0
+    # The mixed feature load went to the plain server too.
+    assert p["feature_load_vs_ddtree"]["total"] == 30
     proc, r = _run_script(tmp_path, *args, "--strict-greedy", mode="plain_differs", offline=True)
     assert proc.returncode == 1
     assert "plain_server/greedy_matches" in r["failures"]
     assert "plain_server/features_identical" in r["failures"]
+    assert "plain_server/feature_load_identical" in r["failures"]
     # Plain decoding offline explained every difference: the plain server's last token.
     margins = r["greedy"]["margins"]
     assert {m["position"] for m in margins["ddtree_server_vs_plain_server"]} == {15}
@@ -363,7 +378,8 @@ def test_a_plain_server_that_differs_is_reported_and_fails_only_when_strict(tmp_
     assert "plain_server/greedy_matches" not in r["failures"]
     [check] = [c for c in r["checks"]["plain_server"] if c["name"] == "greedy_matches"]
     assert check["ok"] and "0/24 identical; the 24 others first differ at near ties" in check["message"]
-    assert r["failures"] == ["plain_server/features_identical"]
+    assert r["failures"] == ["plain_server/features_identical",
+                             "plain_server/feature_load_identical"]
 
 
 def test_a_feature_request_that_differs_from_the_reference_fails_when_strict(tmp_path):
@@ -427,6 +443,15 @@ def test_flow_fails_on_server_faults(tmp_path, mode, failed):
     proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60", mode=mode)
     assert proc.returncode == 1
     assert failed in r["failures"] and not r["passed"]
+
+
+def test_a_feature_request_failing_under_load_fails_the_feature_load(tmp_path):
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--time-budget", "60",
+                          mode="logprobs_500")
+    assert proc.returncode == 1 and "feature_load/zero_errors" in r["failures"]
+    fl = r["feature_load"]
+    assert fl["errors"] == sum(1 for i in range(30) if E.feature_requests("m")[i % 26]["logprobs"])
+    assert all(e["status"] == 500 and "logprobs" in e["check"] for e in fl["error_samples"])
 
 
 def test_flow_reports_a_server_that_dies_at_startup(tmp_path):
