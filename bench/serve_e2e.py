@@ -1603,8 +1603,11 @@ def worker_margins(llm, spec: dict, prompts: list, own: list) -> dict:
     by_id = {id(d): o.outputs[0] for d, o in zip(jobs, outs)}
     for d in divs:
         c = by_id.get(id(d))
-        lps = ({t: float(lp.logprob) for t, lp in c.logprobs[0].items()}
-               if c is not None and c.logprobs else None)
+        lps = None
+        if c is not None and c.logprobs:
+            first = c.logprobs[0]  # a mapping token id -> Logprob (as gpu_checks reads it)
+            lps = {t: float(first[t].logprob) for t in (d["a_token"], d["b_token"])
+                   if t in first}
         margins[d["label"]].append(margin_entry(d, lps, c.token_ids[0] if c else None))
     return margins
 
