@@ -182,7 +182,10 @@ case "$step" in
     # Never slower than plain decoding: plain decoding, the chain (K=15, same cap) and
     # DDTree as the README configures it (online budget on by default), on the held-out
     # sharegpt-untrained set, CUDA graphs, waves; GOALS_CONFIGS orders the engines
-    # (alternate it between calls), GOALS_TEMPERATURES, GOALS_BATCH_SIZES.
+    # (alternate it between calls), GOALS_TEMPERATURES, GOALS_BATCH_SIZES;
+    # GOALS_ENGINE_ROUNDS=2 runs the engines in both orders within the call (the engine
+    # started first ran slow in both orders so far: e.g. GOALS_CONFIGS="no-spec
+    # ddtree-b64-t512" GOALS_TEMPERATURES=1 GOALS_ENGINE_ROUNDS=2 fits one call).
     prepare
     read -r -a configs <<< "${GOALS_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
     read -r -a temps <<< "${GOALS_TEMPERATURES:-0 1}"
@@ -190,6 +193,7 @@ case "$step" in
     fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" \
       --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
       --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
+      --engine-rounds "${GOALS_ENGINE_ROUNDS:-1}" \
       --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
