@@ -651,6 +651,8 @@ class Run:
     failures: list = field(default_factory=list)
     # Greedy token ids of the offline references, by reference (for the margins).
     offline_ids: dict = field(default_factory=dict)
+    # The mixed feature load's requests and their answers (phase feature_load).
+    feature_load: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self, phase: str, name: str, ok: bool, **detail) -> bool:
@@ -1263,6 +1265,7 @@ def run_feature_load(run: Run, base: str) -> None:
         rec["check"] = feature_tag(req)
         if not feature_answer_ok(req, rec):
             bad.append(rec)
+    run.feature_load = list(zip(reqs, records))
     tokens = sum(len(r["token_ids"] or []) for r in records if r["status"] == 200)
     run.result["feature_load"] = {
         "num_requests": len(reqs), "concurrency": args.concurrency, "errors": len(bad),
@@ -1464,8 +1467,8 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
         results, wall = asyncio.run(asyncio.wait_for(
             _load(base, prompts, args.concurrency, args.max_tokens, args.request_timeout), limit))
         mixed = None
-        if (run.result.get("feature_load") or {}).get("records"):
-            load_reqs = feature_load_requests(SERVED_MODEL_NAME, args.feature_load)
+        if run.feature_load:
+            load_reqs = [req for req, _ in run.feature_load]
             mixed = asyncio.run(asyncio.wait_for(
                 _send_features(base, load_reqs, args.request_timeout, args.concurrency),
                 load_deadline(run, len(load_reqs))))
@@ -1491,7 +1494,7 @@ def run_plain_server(run: Run, prefix: list[str], load: list[dict]) -> None:
           f"{greedy['total']} identical", flush=True)
     if mixed is not None:
         info["feature_load_vs_ddtree"] = compare_features(
-            run.result["feature_load"]["records"], as_reference(mixed))
+            [rec for _, rec in run.feature_load], as_reference(mixed))
         m = info["feature_load_vs_ddtree"]
         print(f"DDTree server vs plain server, feature load: {m['identical']}/{m['total']} "
               f"identical (logprobs within {m['max_logprob_abs_diff']})", flush=True)
@@ -1691,10 +1694,9 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
             "prompts": [r["prompt_token_ids"] or r["prompt"] for r in usable]}
     if reference == "no-spec":
         spec["requests"] = feature_reference_requests(run.result.get("features") or [])
-        load_records = (run.result.get("feature_load") or {}).get("records") or []
-        if load_records:
+        if run.feature_load:
             spec["requests"] += feature_reference_requests(
-                load_records, feature_load_requests(SERVED_MODEL_NAME, args.feature_load))
+                [rec for _, rec in run.feature_load], [req for req, _ in run.feature_load])
         spec["explain"] = explain_pairs(run, usable)
     if reference == "same-config":
         # The server's speculative config; DDTree picks its attention backend itself.
@@ -1753,22 +1755,17 @@ def run_offline_reference(run: Run, load: list[dict], reference: str) -> None:
     if reference == "no-spec":
         plain_server_vs_offline(run, usable, offline)
     if spec.get("requests"):
-        feats = compare_features(run.result.get("features") or [], offline.get("requests") or [])
-        run.result["features_vs_no_spec"] = feats
-        print(f"feature requests vs offline {reference}: {feats['identical']}/{feats['total']} "
-              f"identical, logprobs within {feats['max_logprob_abs_diff']}, prompt logprobs "
-              f"within {feats['max_prompt_logprob_abs_diff']}", flush=True)
-        if args.strict_greedy:
-            check_identical(run, "features", "identical_to_no_spec", feats)
-        load_records = (run.result.get("feature_load") or {}).get("records") or []
-        if load_records:
-            mixed = compare_features(load_records, offline.get("requests") or [])
-            run.result["feature_load_vs_no_spec"] = mixed
-            print(f"feature load vs offline {reference}: {mixed['identical']}/"
-                  f"{mixed['total']} identical, logprobs within "
-                  f"{mixed['max_logprob_abs_diff']}", flush=True)
+        sets = [("features", "feature requests", run.result.get("features") or [])]
+        if run.feature_load:
+            sets.append(("feature_load", "feature load", [rec for _, rec in run.feature_load]))
+        for phase_name, what, records in sets:
+            cmp = compare_features(records, offline.get("requests") or [])
+            run.result[f"{phase_name}_vs_no_spec"] = cmp
+            print(f"{what} vs offline {reference}: {cmp['identical']}/{cmp['total']} "
+                  f"identical, logprobs within {cmp['max_logprob_abs_diff']}, prompt logprobs "
+                  f"within {cmp['max_prompt_logprob_abs_diff']}", flush=True)
             if args.strict_greedy:
-                check_identical(run, "feature_load", "identical_to_no_spec", mixed)
+                check_identical(run, phase_name, "identical_to_no_spec", cmp)
 
 
 # --------------------------------------------------------------------------- main
