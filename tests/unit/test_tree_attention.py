@@ -150,6 +150,44 @@ def test_register_sets_every_target_builder_and_refuses_other_backends():
         register_tree_attn_bias(unpatched_fa, bias)
 
 
+def _triton_builder(tree_bias):
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+    builder = TritonAttentionMetadataBuilder.__new__(TritonAttentionMetadataBuilder)
+    builder.__dict__.update(
+        device=torch.device("cpu"), seq_threshold_3D=8, num_par_softmax_segments=4,
+        softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None,
+        rswa_window=None, tree_attn_bias=tree_bias)
+    return builder
+
+
+def _triton_common_metadata(q_lens, seq_lens):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(q_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=torch.zeros(len(q_lens), 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64))
+
+
+def test_the_triton_builder_passes_the_bias_only_to_steps_with_trees():
+    """The patched build(): a step with more than one query token for some request
+    carries the registered bias (zero rows for requests without a tree); a step with
+    one token per request (plain decodes, drafting-off steps) carries none, so it runs
+    the kernel variant vLLM runs without speculation."""
+    pytest.importorskip("vllm")
+    bias = allocate_tree_attn_bias(4, 8, "cpu")
+    builder = _triton_builder(bias)
+    assert builder.build(0, _triton_common_metadata([8, 1, 3], [20, 9, 3])).tree_attn_bias is bias
+    assert builder.build(0, _triton_common_metadata([1, 1, 1], [20, 9, 3])).tree_attn_bias is None
+    assert builder.build(0, _triton_common_metadata([1], [5])).tree_attn_bias is None
+    # Without a registered bias (the drafter's builders, plain TRITON_ATTN): none ever.
+    assert _triton_builder(None).build(0, _triton_common_metadata([8, 1], [20, 9])).tree_attn_bias is None
+
+
 def test_reference_causal_matches_sdpa():
     """The reference itself, against torch SDPA on contiguous KV."""
     gen = torch.Generator().manual_seed(3)
