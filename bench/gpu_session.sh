@@ -31,7 +31,9 @@
 #                                      # plain decoding (no speculation, same flags) and
 #                                      # compares the two servers' answers; SERVE_DEFAULTS=1
 #                                      # first starts `vllm serve` with nothing but
-#                                      # --speculative-config (vLLM's defaults, CUDA graphs)
+#                                      # --speculative-config (vLLM's defaults, CUDA graphs);
+#                                      # SERVE_ENTRYPOINT=1 first starts the image's
+#                                      # entrypoint with the Kubernetes base's ddtree.env
 #   bash bench/gpu_session.sh cost     # the cost model's GPU timer test, then bench/run.py
 #                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS,
 #                                      # COST_REPEATS, COST_ENGINE_ROUNDS, COST_PROFILE=0
@@ -202,6 +204,7 @@ case "$step" in
     timeout 500 python3 bench/serve_e2e.py --target "$TARGET" --drafter "$DRAFTER" \
       --dtype "${SERVE_DTYPE:-auto}" ${SERVE_STRICT:+--strict-greedy} \
       ${SERVE_PLAIN:+--plain-server} ${SERVE_DEFAULTS:+--server-defaults} \
+      ${SERVE_ENTRYPOINT:+--server-entrypoint deploy/k8s/base/ddtree.env} \
       --out "$OUT/serve-e2e.json" --log-dir "$OUT" --time-budget 460 > "$OUT/serve-e2e.log" 2>&1
     echo "serve rc=$?"; tail -40 "$OUT/serve-e2e.log" | cut -c1-300
     ;;

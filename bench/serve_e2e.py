@@ -17,6 +17,10 @@ process this script started and writes what it has if the budget is overrun):
    share, concurrency and tokens per step, CUDA graphs): healthy, a completion, a chat
    completion and ``--concurrency`` streamed requests without an error; DDTree's log
    lines about the defaults it changed are recorded.
+   ``server_entrypoint`` (``--server-entrypoint ENV_FILE``): the same checks on the
+   server the image's entrypoint (``deploy/entrypoint.sh``) starts from a Kubernetes env
+   file's variables (``deploy/k8s/base/ddtree.env``), as the shipped deployment does;
+   the ``vllm serve`` line it built is recorded.
 2. ``startup``: the real server (DDTree, budget ``--budget``) until ``/health`` is 200.
 3. ``endpoints``: /health, /v1/models, completions and chat completions, each
    non-streamed and streamed (streamed text must equal non-streamed text at T=0), and
@@ -78,6 +82,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -97,6 +102,9 @@ SERVER_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+# What the image sets for its entrypoint (Dockerfile `ENV`) that a server reads; its
+# paths (HOME, caches) are the image's user's and are left to this host.
+IMAGE_ENV = {"VLLM_NO_USAGE_STATS": "1", "PORT": "8000"}
 # The module behind the `vllm` console script in vLLM 0.26.0.
 DEFAULT_SERVER_PREFIX = ("{python}", "-m", "vllm.entrypoints.cli.main")
 # Extra seconds the watchdog allows past --time-budget (phases are already cut to the
@@ -376,6 +384,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-defaults", action="store_true",
                    help="first start `vllm serve TARGET --speculative-config ...` with no other "
                         "flag (vLLM's defaults, port 8000, CUDA graphs) and serve a small load")
+    p.add_argument("--server-entrypoint", metavar="ENV_FILE",
+                   help="first start the server as the image and the Kubernetes base do: "
+                        "deploy/entrypoint.sh with ENV_FILE's variables (e.g. "
+                        "deploy/k8s/base/ddtree.env), MODEL and DDTREE_DRAFTER pointed at "
+                        "--target and --drafter, and serve a small load")
     p.add_argument("--feature-load", type=int, default=128,
                    help="requests of the mixed feature load (the feature settings in turn, "
                         "at --concurrency); 0 skips it")
@@ -1309,21 +1322,86 @@ def run_server_defaults(run: Run, prefix: list[str]) -> None:
     spec = speculative_config(args.drafter, args.defaults_budget,
                               ddtree_tokens_per_step=args.defaults_tokens_per_step or None)
     cmd = prefix + ["serve", args.target, "--speculative-config", json.dumps(spec)]
-    stdout_path = os.path.join(args.log_dir, "defaults-server.stdout.log")
-    stderr_path = os.path.join(args.log_dir, "defaults-server.stderr.log")
-    info: dict = {"command": shlex.join(cmd), "startup": {},
-                  "logs": {"stdout": stdout_path, "stderr": stderr_path}}
+    info: dict = {"command": shlex.join(cmd)}
     run.result["server_defaults"] = info
-    if not port_free(VLLM_DEFAULT_PORT):
-        run.check("server_defaults", "default_port_free", False,
-                  message=f"port {VLLM_DEFAULT_PORT} (vLLM's default) is in use")
+    serve_as_a_user(run, "server_defaults", cmd, child_env(), VLLM_DEFAULT_PORT, info)
+
+
+ENTRYPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "deploy", "entrypoint.sh")
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines as a Kubernetes ``configMapGenerator`` ``envs:`` file holds
+    them (blank lines and ``#`` comments skipped, no quoting)."""
+    env: dict[str, str] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key:
+                raise ValueError(f"{path}:{n}: not KEY=VALUE: {line!r}")
+            env[key] = value
+    return env
+
+
+def run_server_entrypoint(run: Run, prefix: list[str], tmp_dir: str) -> None:
+    """``--server-entrypoint ENV_FILE``: the server as the image and the Kubernetes base
+    start it: ``deploy/entrypoint.sh`` with the image's environment and the variables of
+    ENV_FILE (``deploy/k8s/base/ddtree.env``: budget, tokens per step, context length,
+    memory share, port), nothing else; only ``MODEL`` and ``DDTREE_DRAFTER`` point at
+    ``--target`` and ``--drafter`` instead of the pod's volume. ``vllm`` on the PATH runs
+    this host's vLLM (the image's console script). The same checks as
+    ``--server-defaults``; the ``vllm serve`` line the entrypoint built is recorded
+    (its ``--print``)."""
+    args = run.args
+    shipped = read_env_file(args.server_entrypoint)
+    variables = dict(shipped, MODEL=args.target, DDTREE_DRAFTER=args.drafter)
+    bin_dir = os.path.join(tmp_dir, "entrypoint-bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    shim = os.path.join(bin_dir, "vllm")
+    with open(shim, "w") as f:
+        f.write("#!/usr/bin/env bash\n# `vllm`, as the image's console script runs it\n"
+                f"exec {shlex.join(prefix)} \"$@\"\n")
+    os.chmod(shim, 0o755)
+    env = child_env()
+    env.update(IMAGE_ENV)
+    env.update(variables)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    cmd = ["bash", ENTRYPOINT]
+    info: dict = {"command": shlex.join(cmd), "env_file": args.server_entrypoint,
+                  "variables": variables}
+    run.result["server_entrypoint"] = info
+    printed = subprocess.run(cmd + ["--print"], env=env, capture_output=True, text=True,
+                             timeout=60)
+    info["vllm_command"] = printed.stdout.strip()
+    if not run.check("server_entrypoint", "entrypoint_accepts_the_variables",
+                     printed.returncode == 0, message=printed.stderr.strip()[-400:] or None):
         return
-    base = f"http://127.0.0.1:{VLLM_DEFAULT_PORT}"
+    port = int(variables.get("PORT") or IMAGE_ENV["PORT"])
+    serve_as_a_user(run, "server_entrypoint", cmd, env, port, info)
+
+
+def serve_as_a_user(run: Run, phase: str, cmd: list[str], env: dict, port: int,
+                    info: dict) -> None:
+    """Start ``cmd`` (a server on ``port``), then check what a user of it does first:
+    healthy, a completion, a chat completion, ``--concurrency`` streamed requests without
+    an error; DDTree's log lines (what it changed and why) go to ``info``."""
+    args = run.args
+    stdout_path = os.path.join(args.log_dir, f"{phase}.stdout.log")
+    stderr_path = os.path.join(args.log_dir, f"{phase}.stderr.log")
+    info.update(startup={}, logs={"stdout": stdout_path, "stderr": stderr_path})
+    if not port_free(port):
+        run.check(phase, "port_free", False, message=f"port {port} is in use")
+        return
+    base = f"http://127.0.0.1:{port}"
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-        proc = run.procs.start(cmd, env=child_env(), stdout=out, stderr=err)
+        proc = run.procs.start(cmd, env=env, stdout=out, stderr=err)
     try:
         if not wait_healthy(run, proc, base, args.startup_timeout, stderr_path,
-                            phase="server_defaults", into=info["startup"]):
+                            phase=phase, into=info["startup"]):
             return
         r = http("GET", base + "/v1/models", timeout=10)
         names = [m.get("id") for m in ((r.json() or {}).get("data") or []) if isinstance(m, dict)]
@@ -1333,13 +1411,13 @@ def run_server_defaults(run: Run, prefix: list[str]) -> None:
         r = http("POST", base + "/v1/completions",
                  {"model": model, "prompt": "The capital of France is", "max_tokens": 16,
                   "temperature": 0}, timeout=to)
-        run.check("server_defaults", "completion", r.status == 200 and bool(_answer(first_choice(r))),
+        run.check(phase, "completion", r.status == 200 and bool(_answer(first_choice(r))),
                   status=r.status, message=error_message(r.body) if r.status != 200 else None)
         r = http("POST", base + "/v1/chat/completions",
                  {"model": model, "max_tokens": 16, "temperature": 0,
                   "messages": [{"role": "user", "content": "Name three primary colors."}]},
                  timeout=to)
-        run.check("server_defaults", "chat", r.status == 200 and bool(_answer(first_choice(r))),
+        run.check(phase, "chat", r.status == 200 and bool(_answer(first_choice(r))),
                   status=r.status, message=error_message(r.body) if r.status != 200 else None)
         prompts, _ = select_prompts(args.concurrency, args.prompts)
         limit = run.deadline.bound(max(to * 2, 60))
@@ -1347,7 +1425,7 @@ def run_server_defaults(run: Run, prefix: list[str]) -> None:
             _load(base, prompts, args.concurrency, args.max_tokens, to, model=model), limit))
         errors = [x for x in results if x["error"]]
         info["load"] = load_throughput(results, wall)
-        run.check("server_defaults", "load_zero_errors", not errors,
+        run.check(phase, "load_zero_errors", not errors,
                   message=errors[0]["error"] if errors else None)
     finally:
         info["stop"] = run.procs.stop(proc)
@@ -1818,6 +1896,9 @@ def main(argv: list[str] | None = None) -> int:
             phase("bad_configs", run_bad_configs, run, prefix)
         if args.server_defaults:
             phase("server_defaults", run_server_defaults, run, prefix)
+        if args.server_entrypoint:
+            with tempfile.TemporaryDirectory(prefix="serve-e2e-") as tmp_dir:
+                phase("server_entrypoint", run_server_entrypoint, run, prefix, tmp_dir)
 
         port = args.port or free_port()
         base = f"http://127.0.0.1:{port}"

@@ -335,6 +335,56 @@ def test_a_server_that_fails_on_vllms_defaults_fails_the_run(tmp_path):
     assert r["startup"]["ok"] and r["load"]["errors"] == 0
 
 
+SHIPPED_ENV = os.path.join(REPO, "deploy", "k8s", "base", "ddtree.env")
+
+
+@needs_port_8000
+def test_server_entrypoint_starts_the_kubernetes_bases_configuration(tmp_path):
+    """--server-entrypoint: the image's entrypoint with the shipped env file builds the
+    `vllm serve` line and execs it through the `vllm` on its PATH; the run checks that
+    server as a user would."""
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--server-entrypoint", SHIPPED_ENV,
+                          "--time-budget", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    d = r["server_entrypoint"]
+    shipped = E.read_env_file(SHIPPED_ENV)
+    assert d["variables"] == dict(shipped, MODEL=str(tmp_path), DDTREE_DRAFTER=DRAFTER)
+    argv = shlex.split(d["vllm_command"])
+    assert argv[:3] == ["vllm", "serve", str(tmp_path)]
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "ddtree", "model": DRAFTER,
+                    "num_speculative_tokens": int(shipped["DDTREE_BUDGET"]),
+                    "ddtree_tokens_per_step": int(shipped["DDTREE_TOKENS_PER_STEP"])}
+    assert argv[argv.index("--max-model-len") + 1] == shipped["MAX_MODEL_LEN"]
+    assert argv[argv.index("--port") + 1] == shipped["PORT"]
+    assert d["startup"]["ok"] and d["model"] == str(tmp_path)
+    assert d["load"] == dict(d["load"], num_requests=8, errors=0)
+    assert [c["name"] for c in r["checks"]["server_entrypoint"]] == [
+        "entrypoint_accepts_the_variables", "server_healthy", "completion", "chat",
+        "load_zero_errors"]
+    assert any("fake server on port 8000" in line for line in d["ddtree_log_lines"])
+
+
+def test_an_env_file_the_entrypoint_refuses_fails_the_run(tmp_path):
+    env_file = tmp_path / "bad.env"
+    env_file.write_text(open(SHIPPED_ENV).read().replace("DDTREE_BUDGET=64", "DDTREE_BUDGET=many"))
+    proc, r = _run_script(tmp_path, "--skip-bad-configs", "--server-entrypoint", str(env_file),
+                          "--time-budget", "60")
+    assert proc.returncode == 1
+    assert r["failures"] == ["server_entrypoint/entrypoint_accepts_the_variables"]
+    (check,) = r["checks"]["server_entrypoint"]
+    assert "DDTREE_BUDGET must be a positive integer" in check["message"]
+
+
+def test_read_env_file_takes_key_value_lines_and_names_a_bad_one(tmp_path):
+    f = tmp_path / "x.env"
+    f.write_text("# comment\n\nA=1\nB=x=y\nC=\n")
+    assert E.read_env_file(str(f)) == {"A": "1", "B": "x=y", "C": ""}
+    f.write_text("A=1\njust words\n")
+    with pytest.raises(ValueError, match=r"x.env:2: not KEY=VALUE"):
+        E.read_env_file(str(f))
+
+
 def test_plain_server_control_is_compared_with_the_ddtree_server_and_offline(tmp_path):
     proc, r = _run_script(tmp_path, "--skip-bad-configs", "--strict-greedy", "--plain-server",
                           "--time-budget", "80", "--offline-references", "no-spec", offline=True)
