@@ -5,6 +5,8 @@
 # Another GPU host: DDTREE_VLLM_SITE (the directory holding the vllm package the series
 # is applied to), DDTREE_FIXTURE (GGUF + data/), DDTREE_TARGET (where the converted
 # target goes) and DDTREE_STATE (a writable directory for the fused-kernel verdict).
+# DDTREE_DRAFTER: another drafter for the benchmark pair (a directory, e.g. one
+# bench.fixture.export_drafter wrote), for every step.
 #
 # Steps run in the order given; several may share one device call (each keeps its own
 # timeouts). CHECKS_ALGOS=0 leaves the kernel timings out of `checks`.
@@ -58,6 +60,7 @@
 #   bash bench/gpu_session.sh drafter-data   # the drafter's training sequences through vLLM
 #   bash bench/gpu_session.sh drafter-train  # one resumable training run on them
 #                                      # (DRAFTER_SEQUENCES, DRAFTER_RESUME, DRAFTER_TRAIN_ARGS)
+#   bash bench/gpu_session.sh drafter-eval   # tau against the budget, batch 1 (DDTREE_DRAFTER)
 #   bash bench/gpu_session.sh profile  # fused-kernel tests, then where a batch-1 step's host and
 #                                      # GPU time goes (bench/profile_step.py; engine core in
 #                                      # its own process, traced by vLLM's profiler)
@@ -75,7 +78,8 @@ STATE="${DDTREE_STATE:-/opt}"
 FUSED_VERDICT="$STATE/ddtree-fused-kernels"
 export PYTHONPATH=".:$VLLM_SITE" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-TARGET="${DDTREE_TARGET:-/opt/smollm2-hf}" DATA="$FIXTURE/data" DRAFTER=bench/fixture/smollm2-dflash
+TARGET="${DDTREE_TARGET:-/opt/smollm2-hf}" DATA="$FIXTURE/data"
+DRAFTER="${DDTREE_DRAFTER:-bench/fixture/smollm2-dflash}"
 
 # The series applied to the staged vLLM (every step); `prepare` also converts the
 # benchmark target (needs the fixture payload; the 8B cost mode does not).
@@ -365,6 +369,16 @@ case "$step" in
     echo "drafter-train rc=$?"; tail -4 "$OUT/drafter-train.log" | cut -c1-400
     cp /opt/drafter-run/eval.json "$OUT/drafter-eval.json" 2>/dev/null
     ;;
+  drafter-eval)
+    # Tau against the budget at batch 1: the chain and DDTree with fixed budgets
+    # (DRAFTER_EVAL_CONFIGS), HumanEval, held-out ShareGPT and sharegpt-untrained, T=0
+    # and T=1 -> bench-drafter-eval.json; bench/drafter_report.py makes drafter.json.
+    prepare
+    read -r -a configs <<< "${DRAFTER_EVAL_CONFIGS:-dflash ddtree-b8+static ddtree-b32+static ddtree-b128+static}"
+    fixture_bench drafter-eval 570 --configs "${configs[@]}" --batch-sizes 1 \
+      --prompt-sets humaneval sharegpt sharegpt-untrained --temperatures 0 1 --repeats 1 \
+      --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
+    ;;
   profile)
     prepare
     [ -f "$FUSED_VERDICT" ] || fused_tests
@@ -378,6 +392,6 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|profile|drafter-data|drafter-train" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|profile|drafter-data|drafter-train|drafter-eval" >&2; exit 2 ;;
 esac
 done

@@ -1,0 +1,131 @@
+"""``bench/results/drafter.json``: what a DFlash drafter accepts, offline and in the engine.
+
+From the drafter's directory (its config and weights), the trainer's offline evaluations
+(``eval.json`` of ``bench.fixture.train_dflash_drafter``: simulated chain decoding at T=0
+over the target's own greedy answers) and ``bench/run.py`` result files (the chain and
+DDTree with fixed budgets, ``ddtree-b<B>+static``, so that the online controller does not
+move the budget), one row per (prompt set, method, budget, temperature, batch size):
+tau (tokens per verification step: accepted + 1) and the acceptance by depth (the
+share of steps whose draft was accepted at least to that depth). Never written by hand.
+
+    python3 bench/drafter_report.py --drafter bench/fixture/smollm2-dflash \\
+        --offline bench/results/drafter-training/eval.json \\
+        --out bench/results/drafter.json RUN.json [RUN.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.result_files import read_json  # noqa: E402
+from bench.run import parse_config  # noqa: E402
+
+# Offline evaluation sets of the trainer -> the engine's prompt-set names.
+OFFLINE_SETS = {"sharegpt": "sharegpt", "humaneval": "humaneval"}
+
+
+def safetensors_params(path: str) -> int:
+    """Number of parameters in a safetensors file, read from its header."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for d in t["shape"]:
+            count *= d
+        total += count
+    return total
+
+
+def drafter_info(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    weights = os.path.join(path, "model.safetensors")
+    dflash = cfg.get("dflash_config") or {}
+    return {"path": os.path.relpath(path, ROOT) if os.path.isabs(path) else path,
+            "architectures": cfg.get("architectures"),
+            "num_hidden_layers": cfg.get("num_hidden_layers"),
+            "hidden_size": cfg.get("hidden_size"),
+            "intermediate_size": cfg.get("intermediate_size"),
+            "block_size": cfg.get("block_size"),
+            "target_layer_ids": dflash.get("target_layer_ids"),
+            "params": safetensors_params(weights), "bytes": os.path.getsize(weights),
+            "training": cfg.get("fixture_training")}
+
+
+def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[dict]:
+    """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step)."""
+    rows = []
+    for name, r in (eval_doc.get("eval") or {}).items():
+        rows.append({"prompt_set": OFFLINE_SETS.get(name, name), "method": "dflash",
+                     "budget": chain_length, "temperature": 0.0, "batch_size": None,
+                     "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
+                     "where": "offline", "source": source})
+    return rows
+
+
+def engine_rows(doc: dict, source: str) -> list[dict]:
+    """One row per chain or DDTree result; ``online_budget``: the engine chose each step's
+    budget itself (bench/run.py records its controller), so ``budget`` is its cap."""
+    online = {e["config"] for e in doc.get("engines") or [] if "online_budget" in e}
+    rows = []
+    for r in doc.get("results") or []:
+        cfg = parse_config(r["config"])
+        if cfg.method not in ("dflash", "ddtree") or r.get("tau") is None:
+            continue
+        rows.append({"prompt_set": r["prompt_set"], "method": cfg.method,
+                     "budget": cfg.num_speculative_tokens, "config": r["config"],
+                     "online_budget": r["config"] in online,
+                     "temperature": r["temperature"], "batch_size": r["batch_size"],
+                     "tau": r["tau"], "acceptance_by_depth": r.get("acceptance_by_depth"),
+                     "where": "engine", "source": source})
+    return rows
+
+
+def build(drafter: str, offline: list[str], runs: list[str]) -> dict:
+    info = drafter_info(drafter)
+    chain_length = info["block_size"] - 1 if info["block_size"] else None
+    rows: list[dict] = []
+    for path in offline:
+        with open(path) as f:
+            rows += offline_rows(json.load(f), os.path.relpath(path, ROOT), chain_length)
+    revs = set()
+    for path in runs:
+        doc = read_json(path)
+        revs.add(doc.get("git_rev"))
+        rows += engine_rows(doc, os.path.relpath(path, ROOT))
+    rows.sort(key=lambda x: (x["where"], x["prompt_set"], x["method"], x["budget"] or 0,
+                             x["temperature"], x["batch_size"] or 0))
+    return {"drafter": info, "git_revs": sorted(r for r in revs if r),
+            "tau": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="*", help="bench/run.py result JSON(s), .json or .json.gz")
+    ap.add_argument("--drafter", required=True, help="the drafter's directory")
+    ap.add_argument("--offline", action="append", default=[],
+                    help="the trainer's eval.json (repeatable)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    doc = build(a.drafter, a.offline, a.runs)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    for r in doc["tau"]:
+        print(f"{r['where']:7} {r['prompt_set']:18} {r['method']:6} B={r['budget']} "
+              f"T={r['temperature']} batch={r['batch_size']}: tau {r['tau']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

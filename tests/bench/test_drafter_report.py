@@ -1,0 +1,71 @@
+"""bench/drafter_report.py: drafter.json from a drafter, the trainer's eval.json and run files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from bench import drafter_report as R  # noqa: E402
+
+DRAFTER = os.path.join(REPO, "bench", "fixture", "smollm2-dflash")
+
+
+def _run_file(path, results, engines):
+    with gzip.open(path, "wt") as f:
+        json.dump({"git_rev": "abc1234", "results": results, "engines": engines}, f)
+
+
+def _row(config, tau, prompt_set="humaneval", batch=1, t=0.0):
+    return {"config": config, "prompt_set": prompt_set, "batch_size": batch, "temperature": t,
+            "tau": tau, "acceptance_by_depth": [0.5, 0.2]}
+
+
+def test_rows_from_runs_and_offline_eval(tmp_path):
+    run = str(tmp_path / "run.json.gz")
+    _run_file(run, [_row("no-spec", None), _row("dflash", 1.4), _row("ddtree-b8+static", 1.7),
+                    _row("ddtree-b64-t512", 1.9, "sharegpt-untrained", t=1.0)],
+              [{"config": "ddtree-b8+static"}, {"config": "ddtree-b64-t512", "online_budget": {}}])
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({"eval": {"sharegpt": {"tau": 1.45, "p_accept_ge_k": [0.3]},
+                                       "humaneval": {"tau": 1.51, "p_accept_ge_k": [0.4]}}}))
+    out = tmp_path / "drafter.json"
+    assert R.main(["--drafter", DRAFTER, "--offline", str(ev), "--out", str(out), run]) == 0
+    doc = json.loads(out.read_text())
+    d = doc["drafter"]
+    assert d["params"] == 4536704 and d["bytes"] == os.path.getsize(
+        os.path.join(DRAFTER, "model.safetensors"))
+    assert d["num_hidden_layers"] == 1 and d["block_size"] == 16
+    assert doc["git_revs"] == ["abc1234"]
+    got = {(r["where"], r["prompt_set"], r["method"], r["budget"], r["temperature"]):
+           (r["tau"], r.get("online_budget")) for r in doc["tau"]}
+    assert got == {
+        ("engine", "humaneval", "dflash", 15, 0.0): (1.4, False),
+        ("engine", "humaneval", "ddtree", 8, 0.0): (1.7, False),
+        ("engine", "sharegpt-untrained", "ddtree", 64, 1.0): (1.9, True),
+        ("offline", "sharegpt", "dflash", 15, 0.0): (1.45, None),
+        ("offline", "humaneval", "dflash", 15, 0.0): (1.51, None),
+    }
+
+
+def test_the_safetensors_parameter_count_reads_the_header(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    path = str(tmp_path / "w.safetensors")
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, path, metadata={"format": "pt"})
+    assert R.safetensors_params(path) == 17
+
+
+def test_the_script_runs_as_documented(tmp_path):
+    out = tmp_path / "d.json"
+    r = subprocess.run([sys.executable, "bench/drafter_report.py", "--drafter", DRAFTER,
+                        "--offline", "bench/results/drafter-training/eval.json", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert {x["prompt_set"] for x in json.loads(out.read_text())["tau"]} == {"sharegpt", "humaneval"}
