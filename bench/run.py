@@ -632,7 +632,7 @@ LONG_PROMPT_TOKENS = (1024, 1792)
 LONG_PROMPT_HEADER = "Answer each of the following requests in turn.\n\n"
 
 
-def _chat_ids(tokenizer, text: str) -> list[int]:
+def chat_ids(tokenizer, text: str) -> list[int]:
     out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):
@@ -666,7 +666,7 @@ def load_prompt_sets(names: list[str], data_dir: str | None, tokenizer, limit: i
             texts = [json.loads(line)["prompt"] for line in f if line.strip()]
         shortest = DRAFTER_TRAINING_PROMPT_TOKENS + 1 if name == "sharegpt-untrained" else 0
         ids = (_long_prompts(tokenizer, texts, limit) if name == "sharegpt-long"
-               else list(itertools.islice((out for out in (_chat_ids(tokenizer, t) for t in texts)
+               else list(itertools.islice((out for out in (chat_ids(tokenizer, t) for t in texts)
                                            if shortest <= len(out) <= 768), limit)))
         sets[name] = ids
     return sets
@@ -685,7 +685,7 @@ def _long_prompts(tokenizer, texts: list[str], limit: int,
         parts: list[str] = []
         for text in texts[start:] + texts[:start]:
             parts.append(text)
-            ids = _chat_ids(tokenizer, LONG_PROMPT_HEADER + "\n\n".join(parts))
+            ids = chat_ids(tokenizer, LONG_PROMPT_HEADER + "\n\n".join(parts))
             if len(ids) < low:
                 continue
             if len(ids) <= high and tuple(ids) not in seen:
