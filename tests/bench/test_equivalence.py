@@ -104,3 +104,28 @@ def test_logprob_differences_are_read_over_identical_prefixes():
     output = types.SimpleNamespace(token_ids=[7, 8], logprobs=[step, step])
     assert emitted_logprobs(output) == [-0.5, -3.0]
     assert emitted_logprobs(types.SimpleNamespace(token_ids=[7], logprobs=None)) is None
+
+
+def test_recomputed_margins_count_each_difference_once(tmp_path):
+    """--margins: near ties recomputed for a file (bench/recompute_margins.py) join the
+    file's own; a difference both name counts once, and a margin of another file or
+    case, or one that is no near tie, counts nothing."""
+    case = equivalence_case(_result(), dict(config="ddtree-sync", batch=16, identical_outputs=13,
+                                            num_outputs=16), "seeded")
+    path = tmp_path / "equiv.json.gz"
+    tie = dict(config="ddtree-sync", batch=16, sampling="seeded", near_tie=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(complete=True, cases=[case], near_ties=[dict(tie, request=4, token=96)]), f)
+    margins = tmp_path / "margins.json"
+    margins.write_text(json.dumps({"margins": [
+        dict(tie, request=4, token=96, result_file="equiv.json.gz"),      # the file's own
+        dict(tie, request=6, token=98, result_file="equiv.json.gz"),      # a new one
+        dict(tie, request=7, token=9, near_tie=False, margin=0.5, result_file="equiv.json.gz"),
+        dict(tie, request=8, token=1, result_file="other.json.gz"),
+        dict(tie, request=9, token=1, sampling="greedy", result_file="equiv.json.gz")]}))
+    (row,) = equivalence.gather([str(path)])["cases"]
+    assert row["differing_near_ties"] == 1
+    table = equivalence.gather([str(path)], margins=[str(margins)])
+    assert table["cases"][0]["differing_near_ties"] == 2
+    assert table["summary"]["ddtree_differing_near_ties"] == 2
+    assert "--margins" in table["command"]
