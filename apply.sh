@@ -4,7 +4,8 @@
 #   ./apply.sh                 set up .venv (pinned vLLM + test tools + vllm_ddtree) and
 #                              apply the series to it; reuses an existing .venv. The
 #                              default pin is UPSTREAM's; DDTREE_VLLM=V (or --pin V) sets
-#                              up another pin listed in UPSTREAM's PINS=
+#                              up another pin listed in UPSTREAM's PINS=; DDTREE_VENV=DIR
+#                              sets up DIR instead of .venv (e.g. one venv a pin)
 #   ./apply.sh --site DIR      apply to an installed vLLM at DIR/vllm (site-packages,
 #                              dist-packages, /opt/vllm-site) and copy vllm_ddtree/ to DIR
 #   ./apply.sh --source DIR    apply to a vLLM git checkout at the pinned commit (patches
@@ -107,7 +108,8 @@ fi
 load_pin
 
 # --- set-up of the project venv (no --site/--source) --------------------------------
-VENV=$REPO/.venv
+VENV=${DDTREE_VENV:-$REPO/.venv}
+[[ $VENV == /* ]] || VENV=$PWD/$VENV
 REVERT_CMD="./apply.sh --revert"
 [[ $MODE != venv ]] && REVERT_CMD="./apply.sh --$MODE $TARGET --revert"
 venv_site() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }

@@ -194,14 +194,17 @@ def compact_kv_cache_torch_(
 
 
 # Elements one program moves per chunk (BLOCK_M moves x BLOCK_E elements), held in
-# registers across the barrier between the reads and the writes. 4096 spilled under
-# Triton 3.8 at 64 moves (tests/unit/test_kernels_compile.py); 2048 does not.
+# registers across the barrier between the reads and the writes, and the widest chunk
+# of a row. 4096 elements spilled under Triton 3.8 at 64 moves, and a 1024-wide row
+# chunk (2 moves) spilled 16 bytes (tests/unit/test_kernels_compile.py); 2048 and 512
+# do not, under Triton 3.6 or 3.8.
 TILE_ELEMENTS = 2048
+MAX_TILE_WIDTH = 512
 
 
 def tile_width(block_m: int, widest: int) -> int:
     """BLOCK_E for ``block_m`` moves a program over rows of ``widest`` elements."""
-    return max(16, min(next_power_of_2(widest), TILE_ELEMENTS // block_m))
+    return max(16, min(next_power_of_2(widest), TILE_ELEMENTS // block_m, MAX_TILE_WIDTH))
 
 
 def _compact_kv_kernel(

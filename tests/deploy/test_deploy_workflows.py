@@ -44,10 +44,14 @@ def test_one_copy_of_each_workflow():
 def test_cpu_workflow_runs_the_layered_checks_in_order():
     commands = [s["run"] for s in steps("cpu.yml") if "run" in s]
     other_pins = step("cpu.yml", "Series lint and apply check of the other pins")["run"]
+    other_tests = step("cpu.yml", "Unit tests of the other pins")["run"]
     assert commands == ["tools/series lint", "./apply.sh --check", other_pins, "./apply.sh",
-                        "tools/setup-lint-venv.sh", ".venv/bin/python -m pytest -q"]
+                        "tools/setup-lint-venv.sh", ".venv/bin/python -m pytest -q",
+                        other_tests]
     assert 'tools/series --pin "$pin" lint' in other_pins
     assert 'tools/series --pin "$pin" check' in other_pins
+    assert 'DDTREE_VENV=".venv-$pin" DDTREE_VLLM="$pin" ./apply.sh' in other_tests
+    assert 'DDTREE_VENV=".venv-$pin" tools/test tests/unit' in other_tests
     assert workflow("cpu.yml")["env"]["CI"] == "true"
 
 

@@ -300,3 +300,17 @@ def test_venv_setup_refuses_before_installing_without_disk_space(tmp_path, need,
                        env={**os.environ, "DDTREE_MIN_FREE_GB": need}, timeout=60)
     assert r.returncode == 1 and message in r.stderr, r.stderr
     assert not (repo / ".venv").exists()  # refused before creating anything
+
+
+def test_ddtree_venv_sets_up_another_venv_than_dot_venv(tmp_path):
+    """DDTREE_VENV=DIR: the venv set-up (here its dry run) targets DIR, relative to the
+    working directory, and leaves .venv alone; tools/test reads the same variable."""
+    repo = _repo_copy_without_venv(tmp_path)
+    r = subprocess.run([str(repo / "apply.sh"), "--check"], capture_output=True, text=True,
+                       cwd=tmp_path, env={**os.environ, "DDTREE_VENV": "pin-venv"}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"would set up {tmp_path / 'pin-venv'} (vllm==" in r.stdout
+    assert not (repo / ".venv").exists() and not (tmp_path / "pin-venv").exists()
+    t = subprocess.run([str(REPO / "tools" / "test")], capture_output=True, text=True,
+                       cwd=tmp_path, env={**os.environ, "DDTREE_VENV": "pin-venv"}, timeout=60)
+    assert t.returncode == 1 and f"no {tmp_path / 'pin-venv'}; run ./apply.sh first" in t.stderr

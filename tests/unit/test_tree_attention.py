@@ -157,7 +157,8 @@ def _triton_builder(tree_bias):
     builder.__dict__.update(
         device=torch.device("cpu"), seq_threshold_3D=8, num_par_softmax_segments=4,
         softmax_segm_output=None, softmax_segm_max=None, softmax_segm_expsum=None,
-        rswa_window=None, tree_attn_bias=tree_bias)
+        rswa_window=None, tree_attn_bias=tree_bias,
+        max_seqs_64_segments=0)  # 0.33.0's 64-segment decode layout: off
     return builder
 
 
