@@ -463,7 +463,39 @@ def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> lis
     return [float(local_max[i, t // block]) for i, t in enumerate(tokens)]
 
 
-def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> list[dict]:
+# A first difference whose margin is at most this is a near tie: float32 rounding of the
+# logits, not a token plain decoding could not have chosen.
+NEAR_TIE_MAX_MARGIN = 1e-2
+
+
+def margin_not_recomputable(mode: str, request: int) -> str | None:
+    """Why the first difference of ``request`` in sampling ``mode`` cannot be recomputed
+    from its prompt and common prefix alone (None: it can)."""
+    if SAMPLING_MODES[mode].get("min_tokens"):
+        return "min_tokens counts the output: the recomputation would need its length too"
+    if mode == "seeded-features" and FEATURE_CYCLE[request % len(FEATURE_CYCLE)]:
+        return "penalties and grammars count the output, not a prompt"
+    return None
+
+
+def sampling_margin(mode: str, request: int, pos: int, gap: float, ref_token: int,
+                    out_token: int, noise, max_margin: float = NEAR_TIE_MAX_MARGIN) -> dict:
+    """The margin by which the reference's token beat the other at ``pos``: their
+    logprob gap at T=0; at T > 0 gap / T plus vLLM's Gumbel noise difference at the
+    request's (seed, position) key, ``noise(seed, pos, tokens)``."""
+    temp = SAMPLING_MODES[mode]["temperature"]
+    fields: dict = {"logprob_gap": gap}
+    if temp == 0:
+        margin = gap
+    else:
+        g_ref, g_out = noise(request_seed(mode, request), pos, [ref_token, out_token])
+        margin = gap / temp + (g_ref - g_out)
+        fields.update(noise_reference=g_ref, noise_output=g_out)
+    return dict(fields, margin=margin, near_tie=abs(margin) <= max_margin)
+
+
+def near_tie_margins(llm, prompts, results: dict,
+                     max_margin: float = NEAR_TIE_MAX_MARGIN) -> list[dict]:
     """For every first difference of a DDTree (or chain) run from the reference: the
     reference engine recomputes that position (prompt + the common prefix, one token,
     the same seed and so the same noise key) with both tokens' logprobs, and the margin by
@@ -485,11 +517,9 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
             if ref is None or out_token is None or ref_token is None:
                 continue  # a length difference has no competing token
             base = prompts[i]["prompt_token_ids"]
+            if margin_not_recomputable(mode, i):
+                continue
             kw = dict(SAMPLING_MODES[mode])
-            if kw.pop("min_tokens", None):
-                continue  # the recomputation would need the output length too
-            if mode == "seeded-features" and FEATURE_CYCLE[i % len(FEATURE_CYCLE)]:
-                continue  # penalties and grammars count the output, not a prompt
             kw.pop("logprobs", None)  # the two tokens' logprobs are asked by id below
             kw.pop("prompt_logprobs", None)
             seed = request_seed(mode, i)
@@ -506,16 +536,10 @@ def near_tie_margins(llm, prompts, results: dict, max_margin: float = 1e-2) -> l
                 entry["note"] = "the engine returned no logprob for one of the two tokens"
                 found.append(entry)
                 continue
-            temp = kw["temperature"]
             gap = lp[ref_token].logprob - lp[out_token].logprob
-            if temp == 0:
-                margin = gap
-            else:
-                pos = len(base) + d - 1
-                g_ref, g_out = gumbel_noise(seed, pos, [ref_token, out_token], vocab)
-                margin = gap / temp + (g_ref - g_out)
-                entry.update(noise_reference=g_ref, noise_output=g_out)
-            entry.update(logprob_gap=gap, margin=margin, near_tie=abs(margin) <= max_margin)
+            entry.update(sampling_margin(
+                mode, i, len(base) + d - 1, gap, ref_token, out_token,
+                lambda s, p, t: gumbel_noise(s, p, t, vocab), max_margin))
             found.append(entry)
             print(json.dumps(dict(near_tie=entry)), flush=True)
     return found

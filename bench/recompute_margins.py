@@ -30,9 +30,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.equivalence import read_result  # noqa: E402
-from bench.gpu_checks import FEATURE_CYCLE, SAMPLING_MODES, request_seed  # noqa: E402
-
-NEAR_TIE = 1e-2  # bench/gpu_checks.py near_tie_margins' max_margin
+from bench.gpu_checks import (NEAR_TIE_MAX_MARGIN, SAMPLING_MODES,  # noqa: E402
+                              margin_not_recomputable, sampling_margin)
 ENGINE = "transformers float32 on the CPU; vLLM's Gumbel noise through Triton's interpreter"
 
 
@@ -128,12 +127,11 @@ class Recomputer:
                      token=d, engine=ENGINE)
         out_token, ref_token = _competing_tokens(diff)
         entry.update(reference_token=ref_token, output_token=out_token)
-        kw = dict(SAMPLING_MODES[mode])
         if out_token is None or ref_token is None:
             return dict(entry, margin=None, note="a length difference: no competing token")
-        if kw.get("min_tokens") or (mode == "seeded-features"
-                                    and FEATURE_CYCLE[i % len(FEATURE_CYCLE)]):
-            return dict(entry, margin=None, note="a setting that counts the output")
+        reason = margin_not_recomputable(mode, i)
+        if reason:
+            return dict(entry, margin=None, note=reason)
         ref = _reference(doc, run, i)
         if ref is None:
             return dict(entry, margin=None, note="the file keeps no reference tokens")
@@ -143,17 +141,10 @@ class Recomputer:
         prompt = self.prompts(doc["prompt_set"], i + 1)[i]
         lp = self.logprobs(prompt + ref[:d])
         gap = float(lp[ref_token] - lp[out_token])
-        entry.update(logprob_gap=gap)
-        temp = kw["temperature"]
-        if temp == 0:
-            margin = gap
+        if SAMPLING_MODES[mode]["temperature"] == 0:
             entry.update(recomputed_token=int(lp.argmax()))
-        else:
-            pos = len(prompt) + d - 1
-            g_ref, g_out = gumbel_noise(request_seed(mode, i), pos, [ref_token, out_token])
-            margin = gap / temp + (g_ref - g_out)
-            entry.update(noise_reference=g_ref, noise_output=g_out)
-        return dict(entry, margin=margin, near_tie=abs(margin) <= NEAR_TIE)
+        return dict(entry, **sampling_margin(mode, i, len(prompt) + d - 1, gap, ref_token,
+                                             out_token, gumbel_noise))
 
 
 def main(argv=None) -> int:
@@ -174,7 +165,7 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         json.dump({"command": "python3 bench/recompute_margins.py " + " ".join(
             os.path.relpath(p) for p in a.results) + " --target TARGET --data DATA --out <this file>",
-            "engine": ENGINE, "near_tie_max": NEAR_TIE, "margins": found}, f, indent=1)
+            "engine": ENGINE, "near_tie_max": NEAR_TIE_MAX_MARGIN, "margins": found}, f, indent=1)
         f.write("\n")
     return 0
 
