@@ -78,3 +78,25 @@ def test_a_greedy_margin_on_a_tiny_target(tmp_path):
     assert got["near_tie"] == (abs(got["margin"]) <= 0.01)
     diff["reference"] = [0, 0, 0, 0, 0]
     assert rc.margin(doc, run, diff)["note"] == "the reference tokens do not match the difference"
+
+
+def test_the_sampling_margin_adds_the_noise_at_the_requests_key():
+    """gpu_checks.sampling_margin, the one definition both recomputations use: the
+    logprob gap at T=0; gap / T plus the noise difference at (the request's seed, pos)
+    at T > 0; a near tie within NEAR_TIE_MAX_MARGIN."""
+    from bench.gpu_checks import NEAR_TIE_MAX_MARGIN, SAMPLING_MODES, request_seed, sampling_margin
+    keys = []
+
+    def noise(seed, pos, tokens):
+        keys.append((seed, pos, tokens))
+        return [0.30, 0.10]
+
+    greedy = sampling_margin("greedy", 3, 50, -0.004, 7, 9, noise)
+    assert greedy == {"logprob_gap": -0.004, "margin": -0.004, "near_tie": True} and not keys
+    t = SAMPLING_MODES["seeded-topk-topp"]["temperature"]
+    m = sampling_margin("seeded-topk-topp", 3, 50, -0.2, 7, 9, noise)
+    assert keys == [(request_seed("seeded-topk-topp", 3), 50, [7, 9])]
+    assert m["margin"] == pytest.approx(-0.2 / t + 0.2)
+    assert (m["noise_reference"], m["noise_output"]) == (0.30, 0.10)
+    assert m["near_tie"] == (abs(m["margin"]) <= NEAR_TIE_MAX_MARGIN)
+    assert not sampling_margin("seeded", 3, 50, 0.5, 7, 9, noise)["near_tie"]
