@@ -26,10 +26,6 @@ sys.path.insert(0, ROOT)
 from bench.result_files import read_json  # noqa: E402
 from bench.run import parse_config  # noqa: E402
 
-# Offline evaluation sets of the trainer -> the engine's prompt-set names.
-OFFLINE_SETS = {"sharegpt": "sharegpt", "humaneval": "humaneval"}
-
-
 def safetensors_params(path: str) -> int:
     """Number of parameters in a safetensors file, read from its header."""
     with open(path, "rb") as f:
@@ -63,10 +59,11 @@ def drafter_info(path: str) -> dict:
 
 
 def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[dict]:
-    """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step)."""
+    """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step); its
+    evaluation sets carry the engine's prompt-set names (sharegpt, humaneval)."""
     rows = []
     for name, r in (eval_doc.get("eval") or {}).items():
-        rows.append({"prompt_set": OFFLINE_SETS.get(name, name), "method": "dflash",
+        rows.append({"prompt_set": name, "method": "dflash",
                      "budget": chain_length, "temperature": 0.0, "batch_size": None,
                      "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
                      "where": "offline", "source": source})
