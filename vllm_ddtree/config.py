@@ -257,6 +257,7 @@ def resolve_ddtree_batch_defaults(
     *,
     batched_tokens_given: bool,
     num_seqs_given: bool,
+    max_model_len: int | None = None,
 ) -> tuple[int, int]:
     """``(max_num_batched_tokens, max_num_seqs)`` for a DDTree engine, from the values
     vLLM's ``EngineArgs`` resolved for its usage context and GPU (patch
@@ -279,7 +280,12 @@ def resolve_ddtree_batch_defaults(
     * max_num_batched_tokens not given: raised by the drafter's slots (as vLLM's own
       error advises), so the scheduler keeps vLLM's tokens per step (or the user's
       max_num_scheduled_tokens) and max_num_seqs is untouched. The cost is a larger
-      activation profile, hence a little less KV cache.
+      activation profile, hence a little less KV cache. The raise stops at
+      max_num_seqs x max_model_len, the cap vLLM puts on its own default: vLLM's
+      warm-up runs spread max_num_batched_tokens over max_num_seqs requests, and a
+      request longer than max_model_len overruns its block table (with
+      max_num_seqs 1, 2048 -> 2062 tokens at max_model_len 2048 was an illegal memory
+      access at start-up). The scheduler then keeps what is left after the slots.
     * max_num_batched_tokens given, max_num_seqs not: the user chose the batch, so
       max_num_seqs is lowered until the drafter's slots take at most half of it
       (or leave the user's max_num_scheduled_tokens).
@@ -299,14 +305,23 @@ def resolve_ddtree_batch_defaults(
     if not batched_tokens_given:
         per_step = (max_num_scheduled_tokens if max_num_scheduled_tokens is not None
                     else max_num_batched_tokens)
-        raised = max(max_num_batched_tokens, per_step + reserved)
+        wanted = per_step + reserved
+        if max_model_len is not None:
+            wanted = min(wanted, max_num_seqs * max_model_len)
+        raised = max(max_num_batched_tokens, wanted)
+        if raised - reserved < 1:
+            raise DDTreeConfigError(
+                f"ddtree: max_model_len={max_model_len} leaves no token a step to "
+                f"schedule: {why} ({slots} x {max_num_seqs} = {reserved}), and a step "
+                f"holds at most max_num_seqs x max_model_len = {raised} tokens. Set "
+                f"max_model_len above {slots}.")
         if raised != max_num_batched_tokens:
             logger.info(
                 "ddtree: max_num_batched_tokens %d -> %d: %s (%d x %d = %d), so that "
                 "the scheduler keeps %d tokens a step and max_num_seqs=%d; set "
                 "--max-num-batched-tokens to choose it yourself.",
                 max_num_batched_tokens, raised, why, slots, max_num_seqs, reserved,
-                per_step, max_num_seqs)
+                raised - reserved, max_num_seqs)
         return raised, max_num_seqs
 
     if max_num_scheduled_tokens is not None:

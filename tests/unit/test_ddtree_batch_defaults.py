@@ -201,6 +201,36 @@ def test_the_image_and_kubernetes_base_start_with_vllms_server_defaults(
     assert cfg.scheduler_config.max_num_batched_tokens == 8192 + DRAFTER_SLOTS * 1024
 
 
+@only_0_26
+@pytest.mark.parametrize("usage", [UsageContext.LLM_CLASS, UsageContext.OPENAI_API_SERVER])
+def test_the_raise_stops_where_vllm_caps_its_own_default(models, h200, ddtree_log, usage):
+    """One request of at most 2048 tokens: vLLM caps its default at
+    max_num_seqs x max_model_len = 2048, and so does DDTree's raise. (Raised to 2062,
+    vLLM's warm-up ran one request of 2062 tokens past its 128-block table: an illegal
+    memory access at start-up on the GPU.)"""
+    speculative = dict(README_SPEC, model=models["drafter"])
+    args = AsyncEngineArgs(model=models["target"], skip_tokenizer_init=True,
+                           speculative_config=speculative, max_num_seqs=1,
+                           max_model_len=2048)
+    scheduler = args.create_engine_config(usage_context=usage).scheduler_config
+    assert scheduler.max_num_seqs == 1
+    assert scheduler.max_num_batched_tokens == 2048
+    assert scheduler.max_num_scheduled_tokens == 2048 - DRAFTER_SLOTS
+    assert not [r for r in ddtree_log if "->" in r.getMessage()]
+
+
+@only_0_26
+def test_a_capped_raise_logs_the_tokens_the_scheduler_keeps(models, h200, ddtree_log):
+    """Two requests of at most 4100 tokens: vLLM's 8192 grows to the cap 2 x 4100 =
+    8200, not to 8192 + 2 x 14, and the log line says the scheduler keeps 8200 - 28."""
+    scheduler = _server_config(models, max_num_seqs=2, max_model_len=4100).scheduler_config
+    assert scheduler.max_num_batched_tokens == 8200
+    assert scheduler.max_num_scheduled_tokens == 8200 - DRAFTER_SLOTS * 2
+    lines = [r.getMessage() for r in ddtree_log if "->" in r.getMessage()]
+    assert len(lines) == 1 and "max_num_batched_tokens 8192 -> 8200" in lines[0], lines
+    assert "keeps 8172 tokens a step" in lines[0]
+
+
 def test_an_explicit_max_num_seqs_keeps_vllms_tokens_per_step(models, h200, ddtree_log):
     cfg = _server_config(models, max_num_seqs=64)
     assert cfg.scheduler_config.max_num_seqs == 64
