@@ -220,6 +220,26 @@ def test_the_raise_stops_where_vllm_caps_its_own_default(models, h200, ddtree_lo
 
 
 @only_0_26
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("max_model_len", [256, 1024, 2048, 4096])
+def test_no_warm_up_request_outgrows_max_model_len(models, h200, max_num_seqs, max_model_len):
+    """vLLM's warm-up spreads max_num_batched_tokens over max_num_seqs requests
+    (``_dummy_run``): none may be longer than max_model_len, and the scheduler keeps
+    at least one token a step, for the engines the benchmark and the LLM class make."""
+    speculative = dict(README_SPEC, model=models["drafter"])
+    args = AsyncEngineArgs(model=models["target"], skip_tokenizer_init=True,
+                           speculative_config=speculative, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len)
+    scheduler = args.create_engine_config(usage_context=UsageContext.LLM_CLASS).scheduler_config
+    assert scheduler.max_num_seqs == max_num_seqs
+    tokens = scheduler.max_num_batched_tokens
+    # _dummy_run's split: tokens // n each, the remainder on the last request.
+    longest = tokens // max_num_seqs + tokens % max_num_seqs
+    assert longest <= max_model_len
+    assert scheduler.max_num_scheduled_tokens >= 1
+
+
+@only_0_26
 def test_a_capped_raise_logs_the_tokens_the_scheduler_keeps(models, h200, ddtree_log):
     """Two requests of at most 4100 tokens: vLLM's 8192 grows to the cap 2 x 4100 =
     8200, not to 8192 + 2 x 14, and the log line says the scheduler keeps 8200 - 28."""
