@@ -356,7 +356,8 @@ case "$step" in
     ;;
   drafter-train)
     # One training run on DRAFTER_SEQUENCES (a carried drafter-data output directory), resuming
-    # from DRAFTER_RESUME (a carried checkpoint) when set; the checkpoint comes back in
+    # from DRAFTER_RESUME (a carried checkpoint) when set, or starting a new schedule from
+    # DRAFTER_INIT_FROM's weights (a finished checkpoint); the checkpoint comes back in
     # $OUT/drafter-checkpoint (python3 -m bench.fixture.export_drafter makes the vLLM
     # drafter of it). DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...).
     prepare
@@ -364,7 +365,8 @@ case "$step" in
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
       --out /opt/drafter-run --checkpoint "$OUT/drafter-checkpoint" \
       --sequences "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the carried training sequences}" \
-      ${DRAFTER_RESUME:+--resume "$DRAFTER_RESUME"} --deadline-s "${DRAFTER_DEADLINE_S:-530}" \
+      ${DRAFTER_RESUME:+--resume "$DRAFTER_RESUME"} \
+      ${DRAFTER_INIT_FROM:+--init-from "$DRAFTER_INIT_FROM"} --deadline-s "${DRAFTER_DEADLINE_S:-530}" \
       ${DRAFTER_TRAIN_ARGS:-} > "$OUT/drafter-train.log" 2>&1
     echo "drafter-train rc=$?"; tail -4 "$OUT/drafter-train.log" | cut -c1-400
     cp /opt/drafter-run/eval.json "$OUT/drafter-eval.json" 2>/dev/null
