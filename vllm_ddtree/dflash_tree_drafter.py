@@ -39,7 +39,7 @@ from vllm_ddtree.context_store_graphs import (
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
-from vllm_ddtree.online_budget import online_budget_on
+from vllm_ddtree.online_budget import graph_budget_levels, online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import register_tree_attn_bias
@@ -55,10 +55,13 @@ fused_kernels_enabled = env.fused_kernels_enabled
 
 
 # VLLM_DDTREE_LEAN_DRAFT=1: the drafter computes logits and builds trees only as deep
-# and wide as the step's batch-aware budget needs (vllm_ddtree.budget.draft_shape; the
-# verified trees are the same up to top-K ties). Off by default: on the H200 with the
-# benchmark pair it made the batch-64 drafting stage slower, not faster (1.97 -> 3.43
-# ms p50, bench/results/2026-11-29-drafting-off-lean-drafting/), for a reason not yet found.
+# and wide as the step's budget needs (vllm_ddtree.budget.draft_shape; the verified
+# trees are the same up to top-K ties): with a fixed batch-aware table inside the
+# drafter's graphs, with the online controller in an eager head after them that
+# follows the step's level. Off by default: on the H200 with the benchmark pair the
+# table form made the batch-64 drafting stage slower, not faster (1.97 -> 3.43 ms p50,
+# bench/results/2026-11-29-drafting-off-lean-drafting/), for a reason not yet found;
+# the online form is not measured yet.
 lean_draft_enabled = env.lean_draft_enabled
 
 
@@ -119,6 +122,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).
         self.online_budget = online_budget_on(spec)
         self.refresh_budget_schedule()
+        # Lean drafting with the online controller: any step may verify any level, so
+        # the drafter's graph runs its transformer only and keeps the hidden states of
+        # the masked positions here; the logits, top-K and tree then follow the level
+        # the controller chose for the step (_draft_level, after the graph).
+        self._draft_hidden: torch.Tensor | None = (
+            torch.zeros(self.max_num_reqs * self.tree_depth, self.hidden_size,
+                        dtype=self.dtype, device=device)
+            if self.online_budget and lean_draft_enabled() else None)
+        self._heads_warm = False
         # True while propose() runs for memory profiling: draft the full tree there,
         # so the profile sees the largest drafting buffers.
         self._profiling_draft = False
@@ -280,8 +292,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         start-up (``ddtree_tokens_per_step="auto"``, :mod:`vllm_ddtree.cost_model`),
         before the graphs are captured."""
         self._budget_by_batch = self._scheduler_budget_lookup(self.vllm_config)
-        # With the online controller any batch size may verify any level, so the
-        # drafter drafts the full tree (lean drafting follows a fixed table only).
+        # With the online controller any batch size may verify any level: no table
+        # (lean drafting follows the step's level after the graph, _draft_level).
         self._drafting_budget = (
             drafting_budgets(self._budget_by_batch, [])
             if self._budget_by_batch is not None and lean_draft_enabled()
@@ -320,8 +332,9 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def capture(self) -> None:
         """vLLM's drafter graphs, then the context store's (one per target capture
-        size; see :mod:`vllm_ddtree.context_store_graphs`)."""
+        size; see :mod:`vllm_ddtree.context_store_graphs`); the lean heads' kernels."""
         super().capture()
+        self._warm_up_heads()
         if not self.context_graphs_wanted:
             return
         sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
@@ -554,6 +567,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         finally:
             self._profiling_draft = False
         if not dummy_run:
+            if self._draft_hidden is not None:
+                self._warm_up_heads()
+                self._draft_level(input_batch.num_reqs, self._next_budget)
             self.verifier.store_trees(self.trees, input_batch.idx_mapping)
             if not self._input_kernel_warm:
                 self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
@@ -590,15 +606,55 @@ class DDTreeSpeculator(DFlashSpeculator):
             num_tokens_across_dp,
             cudagraph_runtime_mode,
         )
-        depth, top_k = draft_shape(budget, self.tree_depth, self.tree_top_k)
         rows = self.sample_indices[: num_reqs * self.tree_depth]
+        if self._draft_hidden is not None and not self._profiling_draft:
+            # The head runs after the graph, for the step's level (_draft_level).
+            torch.index_select(last_hidden_states, 0, rows,
+                               out=self._draft_hidden[: num_reqs * self.tree_depth])
+            return
+        depth, _ = draft_shape(budget, self.tree_depth, self.tree_top_k)
         if depth < self.tree_depth:
             # The first `depth` masked positions of each request (request-major rows).
             rows = rows.view(num_reqs, self.tree_depth)[:, :depth].reshape(-1)
+        self._draft_trees(last_hidden_states[rows], num_reqs, budget, out)
+
+    def _draft_trees(self, hidden: torch.Tensor, num_reqs: int, budget: int, out) -> None:
+        """The drafter's head for trees of ``budget`` nodes: ``hidden`` holds the first
+        ``draft_shape(budget, ...)`` masked positions of each request (request-major);
+        their logits, top-K, the trees (into ``out``) and the draft tokens."""
+        depth, top_k = draft_shape(budget, self.tree_depth, self.tree_top_k)
         if self._candidate_head:
-            draft_logits = self.model.candidate_logits_processor(
-                self.model.lm_head, last_hidden_states[rows])
+            draft_logits = self.model.candidate_logits_processor(self.model.lm_head, hidden)
         else:
-            draft_logits = self.model.compute_logits(last_hidden_states[rows])
+            draft_logits = self.model.compute_logits(hidden)
         trees = build_trees(draft_logits.view(num_reqs, depth, -1), budget, top_k, out=out)
         self.draft_tokens[:num_reqs] = trees.node_tokens[:, 1:]
+
+    def _draft_level(self, num_reqs: int, level: int) -> None:
+        """Lean drafting with the online controller: the head for the ``level`` the
+        step verifies next, from the hidden states the drafter's forward kept
+        (_generate_draft). Eager: its shapes follow the level, which a graph of the
+        drafter's forward cannot know."""
+        level = max(1, min(int(level), self.tree_budget))
+        depth, _ = draft_shape(level, self.tree_depth, self.tree_top_k)
+        hidden = self._draft_hidden[: num_reqs * self.tree_depth]
+        if depth < self.tree_depth:
+            hidden = hidden.view(num_reqs, self.tree_depth, -1)[:, :depth]
+            hidden = hidden.reshape(num_reqs * depth, -1)
+        out = type(self.trees)(*(t[:num_reqs] for t in self.trees))
+        self._draft_trees(hidden, num_reqs, level, out)
+
+    def _warm_up_heads(self) -> None:
+        """Compile the head's kernels for every level the controller may choose (the
+        tree builder specialises on the tree's size) before they serve: at capture, or
+        at the first drafting step of an eager engine. Writes request row 0's draft,
+        which the step's own head then overwrites."""
+        if self._draft_hidden is None or self._heads_warm:
+            return
+        self._heads_warm = True
+        start = time.perf_counter()
+        levels = [b for b in graph_budget_levels(self.vllm_config) if b > 0]
+        for level in levels:
+            self._draft_level(1, level)
+        logger.info("DDTree: lean drafting heads warmed up for levels %s (%.2f s)",
+                    levels, time.perf_counter() - start)

@@ -30,7 +30,8 @@ FUSED_KERNELS = Switch(
 LEAN_DRAFT = Switch(
     "VLLM_DDTREE_LEAN_DRAFT", "flag", False,
     "the drafter computes logits and builds trees only as deep and wide as the step's "
-    "batch-aware budget needs (vllm_ddtree.budget.draft_shape)")
+    "budget needs (vllm_ddtree.budget.draft_shape): the batch-aware table's, or the "
+    "online controller's level for the step")
 CONTEXT_GRAPHS = Switch(
     "VLLM_DDTREE_CONTEXT_GRAPHS", "flag", True,
     "the drafter's context store replays CUDA graphs (vllm_ddtree.context_store_graphs); "

@@ -304,7 +304,7 @@ REACH_INS: tuple[ReachIn, ...] = (
     # --------------------------------------------------------------- DFlash drafter
     _attrs(_SPEC, "DFlashSpeculator",
            "propose _generate_draft _run_model set_attn init_cudagraph_manager capture "
-           "vllm_config device dtype model max_num_reqs max_num_tokens max_model_len "
+           "vllm_config device dtype hidden_size model max_num_reqs max_num_tokens max_model_len "
            "draft_model_config draft_tokens draft_logits num_speculative_steps num_query_per_req "
            "sample_indices sample_pos sample_idx_mapping hidden_states context_positions "
            "_context_slot_mappings _layer_group_idx input_buffers block_tables "

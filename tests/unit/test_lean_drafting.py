@@ -124,6 +124,7 @@ def _fake_speculator(drafting_budget, *, max_reqs=6, budget=64, depth=15, top_k=
         [r * query + 1 + c for r in range(max_reqs) for c in range(depth)])
     spec._profiling_draft = False
     spec._drafting_budget = drafting_budget
+    spec._draft_hidden, spec._heads_warm = None, False
     hidden = torch.randn(max_reqs * query, hidden_size, generator=gen)
     weight = torch.randn(hidden_size, vocab, generator=gen)
     calls = {"run_model": 0, "logit_rows": []}
@@ -170,6 +171,87 @@ def test_generate_draft_with_lean_drafting_off_drafts_the_full_tree():
     full = build_tree_reference(full_logits[:4], 64, 64)
     for name, a, b in zip(DDTree._fields, full, spec.trees):
         assert torch.equal(a, b[:4]), name
+
+
+def _online_lean(spec):
+    """The fake as the online controller with lean drafting builds it: no budget
+    table, the masked positions' hidden states kept for the step's head."""
+    spec._drafting_budget = None
+    spec._draft_hidden = torch.zeros(spec.max_num_reqs * spec.tree_depth, 12)
+    spec.vllm_config = types.SimpleNamespace(
+        speculative_config=types.SimpleNamespace(num_speculative_tokens=spec.tree_budget))
+    return spec
+
+
+@pytest.mark.parametrize("num_reqs, level", [(2, 64), (3, 16), (4, 8), (5, 2), (1, 1)])
+def test_with_the_online_controller_the_head_follows_the_steps_level(num_reqs, level):
+    """The drafter's forward (its graph) computes no logits; the head then computes the
+    logits of the first draft_shape(level) positions only and builds the tree of the
+    level, which is the full tree's first level + 1 nodes."""
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+
+    spec, calls, full_logits = _fake_speculator(None)
+    _online_lean(spec)
+    _draft(spec, num_reqs)
+    assert calls["run_model"] == 1 and calls["logit_rows"] == []
+    DDTreeSpeculator._draft_level(spec, num_reqs, level)
+    depth, _ = draft_shape(level, 15, 64)
+    assert calls["logit_rows"] == [num_reqs * depth]
+    full = build_tree_reference(full_logits[:num_reqs], 64, 64)
+    for name, a, b in zip(DDTree._fields, full, spec.trees):
+        assert torch.equal(a[:, : level + 1], b[:num_reqs, : level + 1]), name
+    assert not spec.trees.node_valid[:num_reqs, level + 1:].any()
+    assert torch.equal(spec.draft_tokens[:num_reqs, :level],
+                       full.node_tokens[:, 1: level + 1])
+
+
+def test_memory_profiling_with_the_online_controller_drafts_the_full_tree():
+    spec, calls, _ = _fake_speculator(None)
+    _online_lean(spec)
+    spec._profiling_draft = True
+    _draft(spec, 5)
+    assert calls["logit_rows"] == [5 * 15]
+
+
+def test_the_heads_are_warmed_up_once_for_every_level():
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+
+    spec, calls, _ = _fake_speculator(None)
+    _online_lean(spec)
+    DDTreeSpeculator._warm_up_heads(spec)
+    # Levels 1, 2, 4, ..., 64: one request, min(level, depth 15) positions each.
+    assert calls["logit_rows"] == [1, 2, 4, 8, 15, 15, 15]
+    DDTreeSpeculator._warm_up_heads(spec)
+    assert len(calls["logit_rows"]) == 7
+    # Without lean drafting there are no heads to warm.
+    spec, calls, _ = _fake_speculator(None)
+    DDTreeSpeculator._warm_up_heads(spec)
+    assert calls["logit_rows"] == []
+
+
+def test_propose_drafts_the_level_the_scheduler_verifies_next(monkeypatch):
+    """After the drafter's forward, propose() runs the head for the scheduler's
+    num_spec_tokens_to_schedule (warming the heads first, once)."""
+    spec, calls = _context_only_fake(monkeypatch, None)
+    spec.online_budget = True
+    spec._draft_hidden = torch.zeros(1)
+    levels = []
+    spec._warm_up_heads = lambda: levels.append("warm")
+    spec._draft_level = lambda num_reqs, level: levels.append((num_reqs, level))
+    _propose(spec, 2, torch.randn(2, 5))
+    assert calls["super"] == 1 and levels == ["warm", (2, 8)]
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+    from vllm_ddtree.tree_verifier import TreeStep
+
+    spec.verifier.step = TreeStep(next_budget=4)
+    batch = types.SimpleNamespace(num_reqs=3, num_tokens=3, idx_mapping=torch.tensor([5, 1, 3]))
+    z = torch.zeros(3)
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(3, 5), None, z, z, z, z, z, z)
+    assert levels[-2:] == ["warm", (3, 4)]
+    # A dummy run (memory profiling, cost measurement) drafts no level.
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(3, 5), None, z, z, z, z, z, z,
+                             dummy_run=True)
+    assert len(levels) == 4
 
 
 def test_budget_zero_skips_the_drafter_forward_and_empties_the_trees():
@@ -278,6 +360,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
             (h.clone(), pos.clone(), slots.clone())))
     spec.verifier.store_trees = lambda trees, idx: None
     spec._input_kernel_warm = True  # tests/unit/test_dflash_input_warmup.py covers it
+    spec._draft_hidden = None
     return spec, calls
 
 
