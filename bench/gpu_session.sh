@@ -359,7 +359,9 @@ case "$step" in
     # from DRAFTER_RESUME (a carried checkpoint) when set, or starting a new schedule from
     # DRAFTER_INIT_FROM's weights (a finished checkpoint); the checkpoint comes back in
     # $OUT/drafter-checkpoint (python3 -m bench.fixture.export_drafter makes the vLLM
-    # drafter of it). DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...).
+    # drafter of it). DRAFTER_EVAL_SEQUENCES: the evaluation's target responses from an
+    # earlier call (else generated and returned as $OUT/drafter-eval-responses.json.gz).
+    # DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...).
     prepare
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
@@ -367,6 +369,7 @@ case "$step" in
       --sequences "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the carried training sequences}" \
       ${DRAFTER_RESUME:+--resume "$DRAFTER_RESUME"} \
       ${DRAFTER_INIT_FROM:+--init-from "$DRAFTER_INIT_FROM"} --deadline-s "${DRAFTER_DEADLINE_S:-530}" \
+      --eval-sequences "${DRAFTER_EVAL_SEQUENCES:-$OUT/drafter-eval-responses.json.gz}" \
       ${DRAFTER_TRAIN_ARGS:-} > "$OUT/drafter-train.log" 2>&1
     echo "drafter-train rc=$?"; tail -4 "$OUT/drafter-train.log" | cut -c1-400
     cp /opt/drafter-run/eval.json "$OUT/drafter-eval.json" 2>/dev/null
