@@ -720,8 +720,9 @@ def probe_vllm(run: Run) -> None:
     except Exception as exc:  # noqa: BLE001 - informative; the server run decides
         info = {"vllm_version": None, "ddtree_series": None, "probe_error": repr(exc)}
     run.result.update(info)
-    run.check("setup", "ddtree_series_present", bool(info.get("ddtree_series")),
-              message="vllm.ddtree_series is not set: the series is not applied")
+    present = bool(info.get("ddtree_series"))
+    run.check("setup", "ddtree_series_present", present,
+              message=None if present else "vllm.ddtree_series is not set: the series is not applied")
 
 
 def run_bad_configs(run: Run, prefix: list[str]) -> None:
