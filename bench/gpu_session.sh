@@ -10,6 +10,8 @@
 #
 # Steps run in the order given; several may share one device call (each keeps its own
 # timeouts). CHECKS_ALGOS=0 leaves the kernel timings out of `checks`.
+# DDTREE_COMPILE_CACHE / COMPILE_CACHE_SAVE=1 restore / return the compile caches
+# (bench/compile_cache.sh), so that a new loan does not compile every engine again.
 #
 #   bash bench/gpu_session.sh checks   # convert target, apply series, GPU kernel tests,
 #                                      # greedy equivalence on the real pair (float32, eager)
@@ -80,6 +82,14 @@ export PYTHONPATH=".:$VLLM_SITE" HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 
   PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 TARGET="${DDTREE_TARGET:-/opt/smollm2-hf}" DATA="$FIXTURE/data"
 DRAFTER="${DDTREE_DRAFTER:-bench/fixture/smollm2-dflash}"
+
+# vLLM's torch.compile and Triton's kernel caches from an earlier loan
+# (bench/compile_cache.sh): DDTREE_COMPILE_CACHE, a carried compile-cache.tar.gz that
+# COMPILE_CACHE_SAVE=1 returned, is unpacked once per machine before the steps.
+if [ -n "${DDTREE_COMPILE_CACHE:-}" ]; then
+  COMPILE_CACHE_MARKER="$STATE/ddtree-compile-cache-restored" \
+    bash bench/compile_cache.sh restore "$DDTREE_COMPILE_CACHE"
+fi
 
 # The series applied to the staged vLLM (every step); `prepare` also converts the
 # benchmark target (needs the fixture payload; the 8B cost mode does not).
@@ -400,3 +410,8 @@ case "$step" in
   *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|profile|drafter-data|drafter-train|drafter-eval" >&2; exit 2 ;;
 esac
 done
+# COMPILE_CACHE_SAVE=1: the compile caches back in $OUT (one file, at most 15 MiB), for
+# DDTREE_COMPILE_CACHE on a later loan.
+if [ "${COMPILE_CACHE_SAVE:-0}" = 1 ]; then
+  bash bench/compile_cache.sh save "$OUT/compile-cache.tar.gz"
+fi

@@ -161,6 +161,7 @@ def test_checkov_dockerfile():
 def test_shellcheck_scripts():
     scripts = [ROOT / "deploy" / "entrypoint.sh", ROOT / "tools" / "build-image.sh",
                ROOT / "tools" / "setup-lint-venv.sh", ROOT / "bench" / "gpu_session.sh",
+               ROOT / "bench" / "compile_cache.sh",
                *sorted((ROOT / "bench" / "fixture").glob("*.sh"))]
     result = run([tool("shellcheck"), *map(str, scripts)])
     assert result.returncode == 0, result.stdout + result.stderr
