@@ -164,12 +164,11 @@ def test_the_readme_configuration_starts_with_vllms_server_defaults(models, h200
 def _deploy_argv(models):
     """`vllm serve` arguments that deploy/entrypoint.sh builds from the Kubernetes
     base's ddtree.env, with the model paths pointed at the test's models."""
+    from bench.serve_e2e import read_env_file
+
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DDTREE_", "MODEL", "MAX_", "GPU_", "TENSOR_", "EXTRA_"))}
-    for line in (ROOT / "deploy/k8s/base/ddtree.env").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, value = line.split("=", 1)
-            env[name] = value
+    env.update(read_env_file(str(ROOT / "deploy/k8s/base/ddtree.env")))
     env.update(MODEL=models["target"], DDTREE_DRAFTER=models["drafter"], DRY_RUN="1")
     out = subprocess.run(["bash", str(ROOT / "deploy/entrypoint.sh")], env=env, text=True,
                          capture_output=True, timeout=60, check=True).stdout
