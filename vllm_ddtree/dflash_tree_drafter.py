@@ -635,7 +635,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         step verifies next, from the hidden states the drafter's forward kept
         (_generate_draft). Eager: its shapes follow the level, which a graph of the
         drafter's forward cannot know."""
-        level = max(1, min(int(level), self.tree_budget))
+        level = int(level)  # 1..tree_budget: draft_shape and build_trees refuse others
         depth, _ = draft_shape(level, self.tree_depth, self.tree_top_k)
         hidden = self._draft_hidden[: num_reqs * self.tree_depth]
         if depth < self.tree_depth:
