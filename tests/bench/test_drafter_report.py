@@ -39,9 +39,9 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
     assert R.main(["--drafter", DRAFTER, "--offline", str(ev), "--out", str(out), run]) == 0
     doc = json.loads(out.read_text())
     d = doc["drafter"]
-    assert d["params"] == 4536704 and d["bytes"] == os.path.getsize(
+    assert d["params"] == 8076928 and d["bytes"] == os.path.getsize(
         os.path.join(DRAFTER, "model.safetensors"))
-    assert d["num_hidden_layers"] == 1 and d["block_size"] == 16
+    assert d["num_hidden_layers"] == 2 and d["block_size"] == 16
     assert doc["git_revs"] == ["abc1234"]
     got = {(r["where"], r["prompt_set"], r["method"], r["budget"], r["temperature"]):
            (r["tau"], r.get("online_budget")) for r in doc["tau"]}
