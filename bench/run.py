@@ -119,7 +119,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 # the drafter's context store eager, as in vLLM (graphs are the default)
                 "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0"),
                 # trees verified on FlashAttention (context call + tree kernel, opt-in)
-                "flashtree": ("VLLM_DDTREE_TREE_ATTENTION", "flash")}
+                "flashtree": ("VLLM_DDTREE_TREE_ATTENTION", "flash"),
+                # the drafter's context buffered while drafting is off (opt-in)
+                "defer": ("VLLM_DDTREE_DEFER_CONTEXT", "1")}
 
 
 # Name suffixes that set an engine argument instead: "no-spec+tritonattn" is plain

@@ -36,6 +36,7 @@ from vllm_ddtree.context_store_graphs import (
     context_graphs_enabled,
     padded_graph_size,
 )
+from vllm_ddtree.deferred_context import DeferredContext
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
@@ -72,6 +73,9 @@ logger = init_logger("vllm.ddtree.speculator")
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
+    # VLLM_DDTREE_DEFER_CONTEXT=1: the deferral buffer (load_model); None: the drafter's
+    # context is stored every step.
+    _deferred: DeferredContext | None = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         # vLLM/Triton internals this package relies on still have their shape (once
@@ -138,6 +142,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.context_graphs_wanted = context_graphs_enabled()
         self._context_graphs: ContextStoreGraphs | None = None
         self._decode_context_graphs: ContextStoreGraphs | None = None
+        # VLLM_DDTREE_DEFER_CONTEXT=1: budget-0 decode steps buffer the drafter's
+        # context instead of storing it (vllm_ddtree.deferred_context); the buffer is
+        # allocated with the drafter (load_model), before vLLM measures memory.
+        self._deferred = None
         # vLLM's DFlash input kernel is compiled for every block size after the first
         # drafting step (vllm_ddtree.dflash_input_warmup).
         self._input_kernel_warm = False
@@ -167,6 +175,44 @@ class DDTreeSpeculator(DFlashSpeculator):
             vllm_max_batch_size=self.max_num_reqs,
             vllm_num_speculative_tokens=self.tree_budget,
         )
+
+    def load_model(self, target_model, *args: Any, **kwargs: Any) -> None:
+        super().load_model(target_model, *args, **kwargs)
+        if env.defer_context_enabled():
+            inner = getattr(self.model, "model", None)
+            width = getattr(getattr(inner, "fc", None), "input_size", None)
+            if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
+                raise ValueError(
+                    "VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter that takes the target's "
+                    "auxiliary hidden states through fc (a DFlash drafter); this one does not")
+            self._deferred = DeferredContext(max(256, 4 * self.max_num_reqs), width,
+                                             self.dtype, self.device)
+            logger.info("DDTree: the drafter's context is deferred while drafting is off "
+                        "(buffer of %d tokens)", self._deferred.capacity)
+
+    def _store_deferred(self, states: torch.Tensor, positions: torch.Tensor,
+                        slots: list[torch.Tensor]) -> None:
+        """The deferred entries into the drafter's KV cache: ``fc`` over the buffered
+        auxiliary states, then the store (eager: the buffer is not a graph's)."""
+        hidden = self.model.combine_hidden_states(states)
+        self.model.precompute_and_store_context_kv(
+            hidden, positions, slots if self._layer_group_idx is not None else slots[0])
+
+    def _defer_decode_context(self, input_batch: InputBatch, aux_hidden_states) -> bool:
+        """A budget-0 step that verified no drafts: its context into the deferral
+        buffer. False (nothing done) when the step is not one token per request."""
+        deferred = self._deferred
+        num_tokens = input_batch.num_tokens
+        if (deferred is None or not aux_hidden_states or num_tokens != input_batch.num_reqs
+                or not deferred.fits(num_tokens)):
+            return False
+        gids = self.draft_kv_cache_group_ids
+        groups = self._layer_group_idx if self._layer_group_idx is not None else [0]
+        rows = [self.block_tables.slot_mappings[gids[g]] for g in groups]
+        deferred.append(input_batch.req_ids, aux_hidden_states, input_batch.positions,
+                        rows, self._store_deferred)
+        self.verifier.clear_trees(input_batch.idx_mapping)
+        return True
 
     def _store_drafter_context_only(
         self,
@@ -506,6 +552,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Budget 0: the scheduler verifies no drafts after this step.
         no_drafts = not dummy_run and (
             self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0)
+        if self._deferred is not None and not dummy_run:
+            if no_drafts and self._defer_decode_context(input_batch, aux_hidden_states):
+                self.verifier.end_step()
+                if profiler is not None:
+                    profiler.mark("compacted")
+                    profiler.mark("drafted")
+                return self.draft_tokens[: input_batch.num_reqs]
+            # Every other step reads or writes the drafter's cache: what is deferred
+            # goes in first.
+            self._deferred.flush(self._store_deferred)
         if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
             # No drafts verified, none to draft: the drafter's context in one replay.
             self.verifier.end_step()

@@ -36,6 +36,11 @@ CONTEXT_GRAPHS = Switch(
     "VLLM_DDTREE_CONTEXT_GRAPHS", "flag", True,
     "the drafter's context store replays CUDA graphs (vllm_ddtree.context_store_graphs); "
     "0 keeps it eager")
+DEFER_CONTEXT = Switch(
+    "VLLM_DDTREE_DEFER_CONTEXT", "flag", False,
+    "while drafting is off, the drafter's context is buffered and stored in one pass "
+    "before drafting resumes, when the requests change or the buffer fills "
+    "(vllm_ddtree.deferred_context)")
 DIRECT_LAUNCH = Switch(
     "VLLM_DDTREE_DIRECT_LAUNCH", "flag", True,
     "per-step kernels launch through their compiled launcher after Triton's first "
@@ -59,8 +64,8 @@ BUDGET_REPORT = Switch(
     "acceptance and step time per budget, by batch size) to this JSON file whenever "
     "it is logged (vllm_ddtree.online_budget)")
 
-SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DIRECT_LAUNCH,
-                                TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)
+SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DEFER_CONTEXT,
+                                DIRECT_LAUNCH, TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -96,6 +101,10 @@ def lean_draft_enabled() -> bool:
 
 def context_graphs_enabled() -> bool:
     return _flag(CONTEXT_GRAPHS)
+
+
+def defer_context_enabled() -> bool:
+    return _flag(DEFER_CONTEXT)
 
 
 def direct_launch_enabled() -> bool:

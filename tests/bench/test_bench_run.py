@@ -815,6 +815,11 @@ def test_the_profiler_starts_flagged_configs_like_the_benchmark(monkeypatch):
     assert seen["attention_config"] == {"backend": "TRITON_ATTN"}
 
 
+def test_defer_flag_buffers_the_drafter_context_while_drafting_is_off():
+    assert parse_config("ddtree-b64-t512+flashtree+defer").env == (
+        ("VLLM_DDTREE_TREE_ATTENTION", "flash"), ("VLLM_DDTREE_DEFER_CONTEXT", "1"))
+
+
 def test_flashtree_flag_selects_flashattention_tree_verification():
     assert parse_config("ddtree-b64-t512-d4+flashtree").env == (
         ("VLLM_DDTREE_TREE_ATTENTION", "flash"),)

@@ -575,3 +575,92 @@ def test_no_decode_graphs_without_budget_zero_or_auxiliary_states():
     assert _decode_graph_spec([0, 8, 8, 8])._decode_context_graphs_for(None, False, [1, 2]) is None
     spec = _decode_graph_spec([0, 8, 0, 0], use_aux=False)
     assert spec._decode_context_graphs_for(None, False, [1, 2]) is None
+
+
+def _deferring_fake(monkeypatch, capacity=8):
+    """The speculator fake with VLLM_DDTREE_DEFER_CONTEXT's buffer and a drafter whose
+    fc takes the first 5 of the 10 concatenated auxiliary features."""
+    from vllm_ddtree.deferred_context import DeferredContext
+
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    spec._deferred = DeferredContext(capacity, 10, torch.float32, torch.device("cpu"))
+    spec.block_tables.slot_mappings = [torch.arange(100, 116)]
+    spec.model.combine_hidden_states = lambda x: x[:, :5]
+    return spec, calls
+
+
+def _propose_deferring(spec, req_ids, num_tokens, budget_next=None):
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+
+    num_reqs = len(req_ids)
+    batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
+                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
+                                  positions=torch.arange(40, 40 + num_tokens), req_ids=list(req_ids))
+    aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
+    _schedule_next(spec, num_reqs)
+    z = torch.zeros(num_reqs)
+    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
+                             z, z, z, z, z, z)
+    return torch.cat(aux, dim=-1)
+
+
+def test_deferred_budget_zero_steps_store_nothing_until_drafting_resumes(monkeypatch):
+    """VLLM_DDTREE_DEFER_CONTEXT=1: budget-0 decode steps only buffer their context (no
+    store, no input preparation, no drafter forward; trees root-only); the next step
+    that drafts first stores all of it, fc'd, at the steps' positions and slots."""
+    spec, calls = _deferring_fake(monkeypatch)
+    first = _propose_deferring(spec, ["a", "b", "c"], 3)     # 3 requests: budget 0
+    second = _propose_deferring(spec, ["a", "b", "c"], 3)
+    assert (calls["prepare"], calls["store"], calls["super"]) == ([], [], 0)
+    assert not spec.valid_by_state[[5, 1, 3], 1:].any()
+    _propose_deferring(spec, ["a", "b"], 2)                  # 2 requests: drafting
+    assert calls["super"] == 1
+    (h, pos, slots), = calls["store"]
+    assert torch.equal(h, torch.cat([first, second])[:, :5])
+    assert torch.equal(pos, torch.arange(40, 43).repeat(2))
+    assert torch.equal(slots, torch.arange(100, 103).repeat(2))
+    assert spec._deferred.count == 0
+
+
+def test_deferral_flushes_when_the_requests_change_or_the_buffer_fills(monkeypatch):
+    spec, calls = _deferring_fake(monkeypatch, capacity=7)
+    for _ in range(2):
+        _propose_deferring(spec, ["a", "b", "c"], 3)
+    assert calls["store"] == []
+    _propose_deferring(spec, ["a", "b", "c"], 3)              # 6 + 3 > 7
+    assert [c[0].shape[0] for c in calls["store"]] == [6]
+    _propose_deferring(spec, ["a", "d", "c"], 3)              # "b" left, "d" joined
+    assert [c[0].shape[0] for c in calls["store"]] == [6, 3]
+    assert spec._deferred.count == 3 and calls["super"] == 0
+
+
+def test_deferral_leaves_steps_that_are_not_one_token_per_request_to_the_store(monkeypatch):
+    """A budget-0 step with more tokens than requests (drafts verified, a prefill)
+    stores its context at once, after what was deferred."""
+    spec, calls = _deferring_fake(monkeypatch)
+    _propose_deferring(spec, ["a", "b", "c"], 3)
+    _propose_deferring(spec, ["a", "b", "c"], 6)
+    assert [c[0].shape[0] for c in calls["store"]] == [3, 6]
+    assert len(calls["prepare"]) == 1 and spec._deferred.count == 0
+
+
+def test_deferral_is_opt_in_and_needs_a_drafter_that_takes_auxiliary_states(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_module
+
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+    from vllm_ddtree.env import DEFER_CONTEXT, defer_context_enabled
+
+    monkeypatch.delenv(DEFER_CONTEXT.name, raising=False)
+    assert not defer_context_enabled()
+    # vLLM's own load_model (it loads the drafter; nothing to load here).
+    monkeypatch.setattr(dflash_module.DFlashSpeculator, "load_model",
+                        lambda self, target: None, raising=False)
+    spec = _decode_graph_spec(None)
+    DDTreeSpeculator.load_model(spec, object())
+    assert spec._deferred is None
+    monkeypatch.setenv(DEFER_CONTEXT.name, "1")
+    DDTreeSpeculator.load_model(spec, object())
+    assert spec._deferred.capacity == 256 and spec._deferred.states.shape == (256, 12)
+    spec = _decode_graph_spec(None, use_aux=False)
+    with pytest.raises(ValueError, match="VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter"):
+        DDTreeSpeculator.load_model(spec, object())

@@ -1,0 +1,86 @@
+"""vllm_ddtree.deferred_context: the drafter's context buffered while drafting is off
+and stored in one pass; the drafter's cache ends up as with a store every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.deferred_context import DeferredContext
+
+
+class FakeCache:
+    """A drafter KV cache of one value per slot and layer: what the store writes there
+    is a function of the token's state and position, so that misplaced, reordered or
+    lost entries show."""
+
+    def __init__(self, slots=64, layers=2):
+        self.kv = torch.full((layers, slots), -1.0)
+        self.calls = []
+
+    def store(self, states, positions, slot_rows):
+        self.calls.append(states.shape[0])
+        value = states.sum(-1) * 1000 + positions.to(states.dtype)
+        for layer, slots in enumerate(slot_rows):
+            self.kv[layer, slots] = value
+
+
+def _step(n, width=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    aux = [torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)]
+    return aux
+
+
+def _drive(steps, capacity, deferred: bool):
+    """steps: (req_ids, positions, slots) a step; returns the cache."""
+    cache = FakeCache()
+    buf = DeferredContext(capacity, 6, torch.float32, torch.device("cpu"))
+    for i, (req_ids, positions, slots) in enumerate(steps):
+        aux = _step(len(req_ids), seed=i)
+        pos = torch.tensor(positions)
+        rows = [torch.tensor(slots), torch.tensor(slots) + 32]
+        if deferred:
+            buf.append(req_ids, aux, pos, rows, cache.store)
+        else:
+            cache.store(torch.cat(aux, dim=-1), pos, rows)
+    if deferred:
+        buf.flush(cache.store)
+    return cache, buf
+
+
+def test_a_deferred_store_writes_what_stores_every_step_write():
+    steps = [(["a", "b"], [10 + i, 20 + i], [i, 8 + i]) for i in range(7)]
+    every, _ = _drive(steps, 64, deferred=False)
+    later, buf = _drive(steps, 64, deferred=True)
+    assert torch.equal(every.kv, later.kv)
+    assert later.calls == [14] and buf.flushes == 1 and buf.count == 0
+
+
+def test_a_full_buffer_flushes_before_it_overflows():
+    steps = [(["a", "b"], [10 + i, 20 + i], [i, 8 + i]) for i in range(7)]
+    every, _ = _drive(steps, 64, deferred=False)
+    later, buf = _drive(steps, 5, deferred=True)
+    assert torch.equal(every.kv, later.kv)
+    # 2 + 2 fit in 5; the third step's 2 would not: 4, 4, 4, then the last 2.
+    assert later.calls == [4, 4, 4, 2]
+
+
+def test_changed_requests_flush_so_a_reused_slot_ends_with_its_new_owner():
+    # Request "a" finishes after two steps; its slot 3 goes to request "c".
+    steps = [(["a", "b"], [5, 9], [3, 8]), (["a", "b"], [6, 10], [3, 9]),
+             (["c", "b"], [0, 11], [3, 10])]
+    every, _ = _drive(steps, 64, deferred=False)
+    later, buf = _drive(steps, 64, deferred=True)
+    assert torch.equal(every.kv, later.kv)
+    assert later.calls == [4, 2]
+
+
+def test_a_step_larger_than_the_buffer_is_refused_and_empty_flushes_do_nothing():
+    buf = DeferredContext(2, 6, torch.float32, torch.device("cpu"))
+    cache = FakeCache()
+    assert not buf.fits(3) and buf.fits(2)
+    with pytest.raises(ValueError, match="does not fit the deferred context buffer of 2"):
+        buf.append(["a", "b", "c"], _step(3), torch.arange(3), [torch.arange(3)], cache.store)
+    assert buf.flush(cache.store) == 0 and cache.calls == []
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        DeferredContext(0, 6, torch.float32, torch.device("cpu"))

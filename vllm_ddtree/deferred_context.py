@@ -1,0 +1,86 @@
+"""The drafter's context store, deferred while drafting is off (opt-in:
+``VLLM_DDTREE_DEFER_CONTEXT=1``).
+
+A step that verified no drafts and will draft none (budget 0, one token per request)
+still stores the drafter's context: the target's auxiliary hidden states of its tokens,
+projected (``fc``) and turned into K/V for every drafter layer. That is a pass over the
+drafter's projection weights for a handful of tokens, the same cost at batch 1 as at
+batch 64 (0.10-0.17 ms a step at Qwen3-8B's shape, ~3 % of a plain decoding step;
+docs/benchmarks.md). While drafting is off this module only copies the auxiliary states,
+positions and drafter slots of each step into a buffer, and stores them all in one pass
+(:meth:`DeferredContext.flush`) when the buffer is full, before any step that drafts,
+verifies or prefills, and whenever the batch's requests change (a finished request's
+blocks may go to a new one: the stale entries are written before anything of the new
+request). The drafter's context is then the same as without deferral when drafting
+resumes; only the time it is written moves.
+
+Lossless either way: the drafter's cache holds only what drafts are made from, and every
+draft is verified by the target.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class DeferredContext:
+    """Pending context entries in persistent buffers; the count is kept on the host
+    (each step's token count is), so appending and flushing never synchronise."""
+
+    def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device):
+        if capacity < 1:
+            raise ValueError(f"deferred context capacity must be >= 1 token, got {capacity}")
+        self.capacity = capacity
+        self.states = torch.zeros(capacity, width, dtype=dtype, device=device)
+        self.positions = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.slots: torch.Tensor | None = None     # [rows, capacity], at the first append
+        self.count = 0
+        self.req_ids: tuple | None = None          # the requests the entries belong to
+        self.flushes = 0
+        self.flushed_tokens = 0
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.capacity
+
+    def append(self, req_ids: Sequence, aux_hidden_states: Sequence[torch.Tensor],
+               positions: torch.Tensor, slot_rows: Sequence[torch.Tensor],
+               store: Callable) -> None:
+        """One budget-0 decode step's entries: its tokens' auxiliary states
+        (concatenated, as the drafter's ``fc`` takes them), positions and the drafter
+        slots of each slot row. Flushes first when the requests changed or the buffer
+        would overflow."""
+        n = positions.shape[0]
+        if not self.fits(n):
+            raise ValueError(f"a step of {n} tokens does not fit the deferred context "
+                             f"buffer of {self.capacity}")
+        ids = tuple(req_ids)
+        if self.count and (ids != self.req_ids or self.count + n > self.capacity):
+            self.flush(store)
+        self.req_ids = ids
+        c = self.count
+        torch.cat([h[:n] for h in aux_hidden_states], dim=-1, out=self.states[c:c + n])
+        self.positions[c:c + n].copy_(positions[:n])
+        if self.slots is None or self.slots.shape[0] != len(slot_rows):
+            if c:
+                raise AssertionError("the drafter's slot rows changed with entries pending")
+            self.slots = torch.zeros(len(slot_rows), self.capacity, dtype=torch.int64,
+                                     device=self.positions.device)
+        for r, row in enumerate(slot_rows):
+            self.slots[r, c:c + n].copy_(row[:n])
+        self.count = c + n
+
+    def flush(self, store: Callable) -> int:
+        """Store every pending entry: ``store(states, positions, slots)`` with the
+        concatenated auxiliary states, their positions and one slot tensor per row.
+        Returns the number of tokens stored."""
+        n = self.count
+        if n:
+            rows = [self.slots[r, :n] for r in range(self.slots.shape[0])]
+            store(self.states[:n], self.positions[:n], rows)
+            self.flushes += 1
+            self.flushed_tokens += n
+        self.count = 0
+        self.req_ids = None
+        return n
