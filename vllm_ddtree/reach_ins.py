@@ -204,7 +204,7 @@ REACH_INS: tuple[ReachIn, ...] = (
     _attrs("vllm.v1.worker.gpu.input_batch", "InputBatch",
            "num_reqs num_tokens idx_mapping idx_mapping_np expanded_idx_mapping "
            "expanded_local_pos num_scheduled_tokens num_draft_tokens query_start_loc "
-           "seq_lens input_ids positions logits_indices cu_num_logits",
+           "seq_lens input_ids positions logits_indices cu_num_logits req_ids",
            "dflash_tree_drafter.py, dflash_input_warmup.py (OneRequestBatch mimics the fields "
            "prepare_dflash_inputs reads)",
            "tree positions, the walk's logit rows and KV compaction read the step's batch",
@@ -315,6 +315,10 @@ REACH_INS: tuple[ReachIn, ...] = (
            "drafts with building trees", _DFLASH_DROP),
     _sig(_SPEC, "DFlashSpeculator.__init__", "self vllm_config device", "dflash_tree_drafter.py",
          "DDTreeSpeculator.__init__ calls it first", _DFLASH_DROP),
+    _sig(_SPEC, "DFlashSpeculator.load_model", "self target_model",
+         "dflash_tree_drafter.py (load_model: the deferred context's buffer)",
+         "DDTreeSpeculator.load_model calls it, then sizes the buffer from the drafter's fc "
+         "before vLLM measures memory", _DFLASH_DROP),
     _sig(_SPEC, "DFlashSpeculator.propose",
          "self input_batch attn_metadata slot_mappings last_hidden_states "
          "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
