@@ -552,18 +552,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Budget 0: the scheduler verifies no drafts after this step.
         no_drafts = not dummy_run and (
             self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0)
-        if self._deferred is not None and not dummy_run:
-            if no_drafts and self._defer_decode_context(input_batch, aux_hidden_states):
-                self.verifier.end_step()
-                if profiler is not None:
-                    profiler.mark("compacted")
-                    profiler.mark("drafted")
-                return self.draft_tokens[: input_batch.num_reqs]
+        deferred = no_drafts and self._defer_decode_context(input_batch, aux_hidden_states)
+        if not deferred and self._deferred is not None and not dummy_run:
             # Every other step reads or writes the drafter's cache: what is deferred
             # goes in first.
             self._deferred.flush(self._store_deferred)
-        if no_drafts and self._store_decode_context(input_batch, aux_hidden_states):
-            # No drafts verified, none to draft: the drafter's context in one replay.
+        if deferred or (no_drafts and self._store_decode_context(input_batch, aux_hidden_states)):
+            # No drafts verified, none to draft: the drafter's context buffered, or
+            # stored in one replay.
             self.verifier.end_step()
             if profiler is not None:
                 profiler.mark("compacted")

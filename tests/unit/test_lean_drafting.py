@@ -461,13 +461,13 @@ def _decode_graph_fake(spec, calls, positions):
     return replays
 
 
-def _propose_aux(spec, num_reqs, num_tokens, positions):
+def _propose_aux(spec, num_reqs, num_tokens, positions, req_ids=None):
     from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     # int32, as the runner's idx_mapping.
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
-                                  positions=positions[:num_tokens])
+                                  positions=positions[:num_tokens], req_ids=req_ids)
     aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
     _schedule_next(spec, num_reqs)
     z = torch.zeros(num_reqs)
@@ -589,19 +589,9 @@ def _deferring_fake(monkeypatch, capacity=8):
     return spec, calls
 
 
-def _propose_deferring(spec, req_ids, num_tokens, budget_next=None):
-    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
-
-    num_reqs = len(req_ids)
-    batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
-                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
-                                  positions=torch.arange(40, 40 + num_tokens), req_ids=list(req_ids))
-    aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
-    _schedule_next(spec, num_reqs)
-    z = torch.zeros(num_reqs)
-    DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
-                             z, z, z, z, z, z)
-    return torch.cat(aux, dim=-1)
+def _propose_deferring(spec, req_ids, num_tokens):
+    return _propose_aux(spec, len(req_ids), num_tokens, torch.arange(40, 40 + num_tokens),
+                        list(req_ids))
 
 
 def test_deferred_budget_zero_steps_store_nothing_until_drafting_resumes(monkeypatch):
