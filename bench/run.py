@@ -749,6 +749,21 @@ def code_digest(root: str = ROOT) -> str:
     return h.hexdigest()[:12]
 
 
+def weights_digest(model_dir: str) -> str | None:
+    """sha256 (first 12 hex digits) of a model directory's weight files, so that a
+    result names the weights it measured: ``--drafter bench/fixture/smollm2-dflash``
+    meant another drafter before the two-layer one was committed."""
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith((".safetensors", ".gguf")))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with open(os.path.join(model_dir, f), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:12]
+
+
 # A fixed pure-Python workload, timed before each engine: with the engine core's
 # steps bound by the host (the same code and configuration stepped
 # 1.35-1.66x faster on one GPU host than on another,
@@ -1306,7 +1321,8 @@ def main(argv: list[str] | None = None) -> int:
         code_digest=code_digest(),
         command="python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:] if argv is None
                                      else [os.path.relpath(__file__, ROOT)] + argv),
-        suite=args.suite, target=target, drafter=drafter, dtype=suite.dtype,
+        suite=args.suite, target=target, drafter=drafter,
+        drafter_digest=None if suite.dummy else weights_digest(drafter), dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
         engine_process=args.engine_process, batch_invariant=args.batch_invariant,
         cell_mode=args.cell_mode, min_waves=args.min_waves,

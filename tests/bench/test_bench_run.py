@@ -1035,3 +1035,15 @@ def test_every_timed_run_records_the_host_pace_before_it(tmp_path, monkeypatch):
     (cell_row,) = doc["results"]
     assert cell_row["host_python_loop_ms_runs"] == [20.0, 10.0, 50.0]
     assert cell_row["host_python_loop_ms"] == 20.0
+
+
+def test_a_result_names_the_drafter_weights_it_measured(tmp_path):
+    from bench.run import ROOT, weights_digest
+
+    assert weights_digest(str(tmp_path)) is None
+    (tmp_path / "model.safetensors").write_bytes(b"one")
+    first = weights_digest(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"two")
+    assert len(first) == 12 and weights_digest(str(tmp_path)) != first
+    committed = os.path.join(ROOT, "bench", "fixture", "smollm2-dflash")
+    assert weights_digest(committed) == "ac12e46ba011"
