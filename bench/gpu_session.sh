@@ -388,9 +388,12 @@ case "$step" in
     # Tau against the budget at batch 1: the chain and DDTree with fixed budgets
     # (DRAFTER_EVAL_CONFIGS), HumanEval, held-out ShareGPT and sharegpt-untrained, T=0
     # and T=1 -> bench-drafter-eval.json; bench/drafter_report.py makes drafter.json.
+    # DRAFTER_EVAL_REQUESTS requests a cell (32; the suite's default of 8 requests of
+    # 128 tokens left a cell's tau to a handful of prompts).
     prepare
     read -r -a configs <<< "${DRAFTER_EVAL_CONFIGS:-dflash ddtree-b8+static ddtree-b32+static ddtree-b128+static}"
     fixture_bench drafter-eval 570 --configs "${configs[@]}" --batch-sizes 1 \
+      --min-requests "${DRAFTER_EVAL_REQUESTS:-32}" \
       --prompt-sets humaneval sharegpt sharegpt-untrained --temperatures 0 1 --repeats 1 \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
