@@ -84,6 +84,10 @@ def engine_rows(doc: dict, source: str) -> list[dict]:
                      "online_budget": r["config"] in online,
                      "temperature": r["temperature"], "batch_size": r["batch_size"],
                      "tau": r["tau"], "acceptance_by_depth": r.get("acceptance_by_depth"),
+                     # what was counted: answers of at most max_tokens, ending at the
+                     # target's EOS ("eos") or continuing past it ("fixed")
+                     "max_tokens": doc.get("max_tokens"),
+                     "output_lengths": doc.get("output_lengths", "fixed"),
                      "where": "engine", "source": source})
     return rows
 

@@ -389,11 +389,13 @@ case "$step" in
     # (DRAFTER_EVAL_CONFIGS), HumanEval, held-out ShareGPT and sharegpt-untrained, T=0
     # and T=1 -> bench-drafter-eval.json; bench/drafter_report.py makes drafter.json.
     # DRAFTER_EVAL_REQUESTS requests a cell (32; the suite's default of 8 requests of
-    # 128 tokens left a cell's tau to a handful of prompts).
+    # 128 tokens left a cell's tau to a handful of prompts), each answer at most 256
+    # tokens and ending at the target's EOS, as in the trainer's offline evaluation
+    # (the goal runs' fixed lengths continue past EOS, text no drafter was trained on).
     prepare
     read -r -a configs <<< "${DRAFTER_EVAL_CONFIGS:-dflash ddtree-b8+static ddtree-b32+static ddtree-b128+static}"
     fixture_bench drafter-eval 570 --configs "${configs[@]}" --batch-sizes 1 \
-      --min-requests "${DRAFTER_EVAL_REQUESTS:-32}" \
+      --min-requests "${DRAFTER_EVAL_REQUESTS:-32}" --max-tokens 256 --output-lengths eos \
       --prompt-sets humaneval sharegpt sharegpt-untrained --temperatures 0 1 --repeats 1 \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;

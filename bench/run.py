@@ -931,7 +931,7 @@ class CellTimes:
         return None
 
 
-OUTPUT_LENGTHS = ("fixed", "varied")
+OUTPUT_LENGTHS = ("fixed", "varied", "eos")
 
 
 def request_max_tokens(max_tokens: int, index: int, lengths: str = "fixed") -> int:
@@ -940,8 +940,11 @@ def request_max_tokens(max_tokens: int, index: int, lengths: str = "fixed") -> i
     step and the next ones join together). "varied": between 0.5x and 1.5x
     ``max_tokens``, drawn per index (the same in every configuration and run), so
     requests finish apart and join one by one for every configuration alike, as a
-    server's traffic does."""
-    if lengths == "fixed":
+    server's traffic does. "eos": ``max_tokens`` at most, each request ending where the
+    target ends its answer (no ``ignore_eos``): acceptance measured on the text a
+    deployment gets, which is the text the drafter was trained on (past the EOS the
+    target's continuation is text no drafter saw)."""
+    if lengths in ("fixed", "eos"):
         return max_tokens
     if lengths != "varied":
         raise ValueError(f"output lengths {lengths!r}: use one of {OUTPUT_LENGTHS}")
@@ -954,7 +957,7 @@ def _sampling_params(temperature: float, max_tokens: int, seed_index: int, dummy
 
     return SamplingParams(temperature=temperature,
                           max_tokens=request_max_tokens(max_tokens, seed_index, lengths),
-                          ignore_eos=True,
+                          ignore_eos=lengths != "eos",
                           seed=(1000 + seed_index) if temperature > 0 else None,
                           detokenize=not dummy)
 
@@ -1253,7 +1256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-lengths", choices=OUTPUT_LENGTHS, default="fixed",
                     help="fixed: every request generates --max-tokens (ignore_eos); varied: "
                          "0.5-1.5x that, drawn per request index, the same for every config "
-                         "(requests then finish and join apart for plain decoding too)")
+                         "(requests then finish and join apart for plain decoding too); eos: "
+                         "at most --max-tokens, each request ending at the target's EOS")
     ap.add_argument("--min-waves", type=int, default=1,
                     help="at least this many waves of BATCH requests per cell (steady: "
                          "generations), prompts repeated when a set has too few")

@@ -280,6 +280,19 @@ def test_varied_output_lengths_are_per_request_and_the_same_for_every_config(mon
     assert [len(o) for o in outputs] == [asked[i] for i in range(6)]
 
 
+def test_eos_output_lengths_stop_where_the_target_ends_its_answer():
+    """--output-lengths eos: the cap stays --max-tokens and the request stops at EOS
+    (acceptance measured on the text the drafter was trained on); the other modes run
+    past EOS to their fixed length."""
+    pytest.importorskip("vllm")
+    from bench import run
+
+    eos = run._sampling_params(0.0, 256, 3, dummy=True, lengths="eos")
+    assert eos.max_tokens == 256 and not eos.ignore_eos
+    for lengths in ("fixed", "varied"):
+        assert run._sampling_params(0.0, 256, 3, dummy=True, lengths=lengths).ignore_eos
+
+
 def test_step_intervals_split_steps_that_prefill_a_joining_request():
     import types
 

@@ -43,6 +43,8 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
         os.path.join(DRAFTER, "model.safetensors"))
     assert d["num_hidden_layers"] == 2 and d["block_size"] == 16
     assert doc["git_revs"] == ["abc1234"]
+    # A run that does not say otherwise counted fixed-length answers (past EOS).
+    assert {r["output_lengths"] for r in doc["tau"] if r["where"] == "engine"} == {"fixed"}
     got = {(r["where"], r["prompt_set"], r["method"], r["budget"], r["temperature"]):
            (r["tau"], r.get("online_budget")) for r in doc["tau"]}
     assert got == {
