@@ -8,8 +8,14 @@
 # entry is never used, only missed.
 #
 #   bash bench/compile_cache.sh restore TARBALL   # unpack into $HOME, once per machine
-#   bash bench/compile_cache.sh save OUT_FILE     # pack both caches, if at most
-#                                                 # COMPILE_CACHE_MAX_MIB (15) MiB
+#                                                 # (TARBALL, or its parts TARBALL.NN)
+#   bash bench/compile_cache.sh save OUT_FILE     # pack both caches: OUT_FILE if at most
+#                                                 # COMPILE_CACHE_MAX_MIB (15) MiB, else
+#                                                 # parts OUT_FILE.00, .01 .. of that size,
+#                                                 # at most COMPILE_CACHE_MAX_PARTS (2)
+#
+# The device tool returns files of at most 16 MiB, and a call carries at most 64 MiB with
+# the working tree (~20 MiB): two parts of 15 MiB is what one call can bring back.
 #
 # bench/gpu_session.sh calls it: DDTREE_COMPILE_CACHE=<a carried tarball> restores before
 # the steps, COMPILE_CACHE_SAVE=1 saves $OUT/compile-cache.tar.gz after them.
@@ -23,11 +29,18 @@ case "${1:-}" in
     if [ -f "$MARKER" ]; then
       echo "compile cache: already restored on this machine"; exit 0
     fi
-    [ -f "$tarball" ] || { echo "compile cache: no $tarball" >&2; exit 1; }
+    parts=("$tarball")
+    if [ ! -f "$tarball" ]; then
+      shopt -s nullglob
+      parts=("$tarball".[0-9][0-9])
+      shopt -u nullglob
+      [ "${#parts[@]}" -gt 0 ] || { echo "compile cache: no $tarball (nor its parts $tarball.NN)" >&2; exit 1; }
+    fi
     mkdir -p "$HOME"
-    tar -C "$HOME" -xzf "$tarball" || { echo "compile cache: cannot unpack $tarball" >&2; exit 1; }
+    cat "${parts[@]}" | tar -C "$HOME" -xzf - \
+      || { echo "compile cache: cannot unpack ${parts[*]}" >&2; exit 1; }
     touch "$MARKER"
-    echo "compile cache: restored $(du -sh "$tarball" | cut -f1) from $tarball"
+    echo "compile cache: restored $(cat "${parts[@]}" | wc -c | awk '{printf "%d KiB", $1 / 1024}') from ${parts[*]}"
     ;;
   save)
     out="${2:?save: the output file}"
@@ -40,13 +53,21 @@ case "${1:-}" in
     tmp="$out.tmp"
     tar -C "$HOME" -czf "$tmp" "${present[@]}" || { rm -f "$tmp"; echo "compile cache: tar failed" >&2; exit 1; }
     size=$(stat -c %s "$tmp")
-    if [ "$size" -gt $((max_mib * 1024 * 1024)) ]; then
-      rm -f "$tmp"
-      echo "compile cache: $((size / 1024 / 1024)) MiB is over ${max_mib} MiB: not saved"
+    max_parts="${COMPILE_CACHE_MAX_PARTS:-2}"
+    part_bytes=$((max_mib * 1024 * 1024))
+    if [ "$size" -le "$part_bytes" ]; then
+      mv "$tmp" "$out"
+      echo "compile cache: saved ${present[*]} ($((size / 1024)) KiB) to $out"
       exit 0
     fi
-    mv "$tmp" "$out"
-    echo "compile cache: saved ${present[*]} ($((size / 1024)) KiB) to $out"
+    if [ "$part_bytes" -eq 0 ] || [ "$size" -gt $((part_bytes * max_parts)) ]; then
+      rm -f "$tmp"
+      echo "compile cache: $((size / 1024 / 1024)) MiB is over ${max_parts} parts of ${max_mib} MiB: not saved"
+      exit 0
+    fi
+    split -b "$part_bytes" -d -a 2 "$tmp" "$out." || { rm -f "$tmp" "$out".[0-9][0-9]; echo "compile cache: split failed" >&2; exit 1; }
+    rm -f "$tmp"
+    echo "compile cache: saved ${present[*]} ($((size / 1024)) KiB) in parts $(echo "$out".[0-9][0-9])"
     ;;
   *)
     echo "usage: $0 restore TARBALL | save OUT_FILE" >&2; exit 2 ;;

@@ -84,8 +84,9 @@ TARGET="${DDTREE_TARGET:-/opt/smollm2-hf}" DATA="$FIXTURE/data"
 DRAFTER="${DDTREE_DRAFTER:-bench/fixture/smollm2-dflash}"
 
 # vLLM's torch.compile and Triton's kernel caches from an earlier loan
-# (bench/compile_cache.sh): DDTREE_COMPILE_CACHE, a carried compile-cache.tar.gz that
-# COMPILE_CACHE_SAVE=1 returned, is unpacked once per machine before the steps.
+# (bench/compile_cache.sh): DDTREE_COMPILE_CACHE, a carried compile-cache.tar.gz (or its
+# parts .00, .01) that COMPILE_CACHE_SAVE=1 returned, is unpacked once per machine
+# before the steps.
 if [ -n "${DDTREE_COMPILE_CACHE:-}" ]; then
   COMPILE_CACHE_MARKER="$STATE/ddtree-compile-cache-restored" \
     bash bench/compile_cache.sh restore "$DDTREE_COMPILE_CACHE"
@@ -151,7 +152,7 @@ pack_out() {
     shopt -s nullglob
     rest=()
     for f in *; do
-      case "$f" in *.json|*.tar.gz|drafter-sequences|drafter-checkpoint) ;; *) rest+=("$f") ;; esac
+      case "$f" in *.json|*.tar.gz|compile-cache.tar.gz.[0-9][0-9]|drafter-sequences|drafter-checkpoint) ;; *) rest+=("$f") ;; esac
     done
     if [ "${#rest[@]}" -gt 0 ]; then tar -czf "logs-${STEP}.tar.gz" "${rest[@]}" && rm -rf "${rest[@]}"; fi
     json=(*.json)
@@ -415,8 +416,8 @@ case "$step" in
   *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|profile|drafter-data|drafter-train|drafter-eval" >&2; exit 2 ;;
 esac
 done
-# COMPILE_CACHE_SAVE=1: the compile caches back in $OUT (one file, at most 15 MiB), for
-# DDTREE_COMPILE_CACHE on a later loan.
+# COMPILE_CACHE_SAVE=1: the compile caches back in $OUT (one file of at most 15 MiB, or
+# two parts), for DDTREE_COMPILE_CACHE on a later loan.
 if [ "${COMPILE_CACHE_SAVE:-0}" = 1 ]; then
   bash bench/compile_cache.sh save "$OUT/compile-cache.tar.gz"
 fi

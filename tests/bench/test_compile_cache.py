@@ -68,3 +68,31 @@ def test_nothing_to_save_and_a_missing_tarball(tmp_path):
     r = _run(home, "restore", str(tmp_path / "missing.tar.gz"))
     assert r.returncode == 1 and "no " in r.stderr
     assert _run(home, "bogus").returncode == 2
+
+
+def test_a_cache_over_one_file_comes_back_in_parts_and_restores_from_them(tmp_path):
+    """The device tool returns files of at most 16 MiB: a larger cache is saved as
+    parts of COMPILE_CACHE_MAX_MIB, which restore as one."""
+    loan1, loan2 = tmp_path / "loan1", tmp_path / "loan2"
+    files = _fill(loan1)
+    big = ".triton/cache/DEF456/_kv_compaction_kernel.cubin"
+    (loan1 / big).parent.mkdir(parents=True)
+    files[big] = os.urandom(1536 * 1024)              # incompressible: 1.5 MiB
+    (loan1 / big).write_bytes(files[big])
+    out = tmp_path / "out" / "compile-cache.tar.gz"
+    out.parent.mkdir()
+    r = _run(loan1, "save", str(out), COMPILE_CACHE_MAX_MIB="1")
+    assert r.returncode == 0 and "in parts" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "compile-cache.tar.gz.00", "compile-cache.tar.gz.01"]
+    assert (out.parent / "compile-cache.tar.gz.00").stat().st_size == 1024 * 1024
+    loan2.mkdir()
+    r = _run(loan2, "restore", str(out))
+    assert r.returncode == 0 and "restored" in r.stdout, r.stderr
+    for rel, data in files.items():
+        assert (loan2 / rel).read_bytes() == data
+    # More parts than a call can carry back: not saved.
+    for p in out.parent.iterdir():
+        p.unlink()
+    r = _run(loan1, "save", str(out), COMPILE_CACHE_MAX_MIB="1", COMPILE_CACHE_MAX_PARTS="1")
+    assert r.returncode == 0 and "not saved" in r.stdout and not any(out.parent.iterdir())
