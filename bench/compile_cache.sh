@@ -40,7 +40,7 @@ case "${1:-}" in
     cat "${parts[@]}" | tar -C "$HOME" -xzf - \
       || { echo "compile cache: cannot unpack ${parts[*]}" >&2; exit 1; }
     touch "$MARKER"
-    echo "compile cache: restored $(cat "${parts[@]}" | wc -c | awk '{printf "%d KiB", $1 / 1024}') from ${parts[*]}"
+    echo "compile cache: restored $(du -ck --apparent-size "${parts[@]}" | tail -1 | cut -f1) KiB from ${parts[*]}"
     ;;
   save)
     out="${2:?save: the output file}"

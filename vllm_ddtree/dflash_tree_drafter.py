@@ -73,8 +73,9 @@ logger = init_logger("vllm.ddtree.speculator")
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
-    # VLLM_DDTREE_DEFER_CONTEXT=1: the deferral buffer (load_model); None: the drafter's
-    # context is stored every step.
+    # VLLM_DDTREE_DEFER_CONTEXT=1: budget-0 decode steps buffer the drafter's context
+    # instead of storing it (vllm_ddtree.deferred_context); the buffer is allocated with
+    # the drafter (load_model), before vLLM measures memory. None: stored every step.
     _deferred: DeferredContext | None = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
@@ -142,10 +143,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.context_graphs_wanted = context_graphs_enabled()
         self._context_graphs: ContextStoreGraphs | None = None
         self._decode_context_graphs: ContextStoreGraphs | None = None
-        # VLLM_DDTREE_DEFER_CONTEXT=1: budget-0 decode steps buffer the drafter's
-        # context instead of storing it (vllm_ddtree.deferred_context); the buffer is
-        # allocated with the drafter (load_model), before vLLM measures memory.
-        self._deferred = None
         # vLLM's DFlash input kernel is compiled for every block size after the first
         # drafting step (vllm_ddtree.dflash_input_warmup).
         self._input_kernel_warm = False
@@ -176,12 +173,29 @@ class DDTreeSpeculator(DFlashSpeculator):
             vllm_num_speculative_tokens=self.tree_budget,
         )
 
+    def _aux_width(self) -> int | None:
+        """Width of the target's concatenated auxiliary hidden states the drafter's
+        ``fc`` takes; None for a drafter that takes none."""
+        inner = getattr(self.model, "model", None)
+        width = getattr(getattr(inner, "fc", None), "input_size", None)
+        if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
+            return None
+        return width
+
+    def _context_slot_rows(self) -> list[int]:
+        """Rows of the runner's slot mappings (``block_tables.slot_mappings``) that the
+        drafter's context goes to: one per drafter layer with per-layer KV groups, else
+        the one drafter group's."""
+        gids = self.draft_kv_cache_group_ids
+        if self._layer_group_idx is not None:
+            return [gids[g] for g in self._layer_group_idx]
+        return [gids[0]]
+
     def load_model(self, target_model, *args: Any, **kwargs: Any) -> None:
         super().load_model(target_model, *args, **kwargs)
         if env.defer_context_enabled():
-            inner = getattr(self.model, "model", None)
-            width = getattr(getattr(inner, "fc", None), "input_size", None)
-            if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
+            width = self._aux_width()
+            if width is None:
                 raise ValueError(
                     "VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter that takes the target's "
                     "auxiliary hidden states through fc (a DFlash drafter); this one does not")
@@ -206,9 +220,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if (deferred is None or not aux_hidden_states or num_tokens != input_batch.num_reqs
                 or not deferred.fits(num_tokens)):
             return False
-        gids = self.draft_kv_cache_group_ids
-        groups = self._layer_group_idx if self._layer_group_idx is not None else [0]
-        rows = [self.block_tables.slot_mappings[gids[g]] for g in groups]
+        rows = [self.block_tables.slot_mappings[r] for r in self._context_slot_rows()]
         deferred.append(input_batch.req_ids, aux_hidden_states, input_batch.positions,
                         rows, self._store_deferred)
         self.verifier.clear_trees(input_batch.idx_mapping)
@@ -426,10 +438,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         if not self.online_budget and (
                 self._budget_by_batch is None or 0 not in self._budget_by_batch[1:]):
             return None
-        inner = getattr(self.model, "model", None)
-        fc = getattr(inner, "fc", None)
-        width = getattr(fc, "input_size", None)
-        if not getattr(inner, "use_aux_hidden_state", False) or not isinstance(width, int):
+        width = self._aux_width()
+        if width is None:
             return None
         # The online controller may turn drafting off at any batch size.
         first_off = 1 if self.online_budget else self._budget_by_batch.index(0, 1)
@@ -440,14 +450,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         if not decode_sizes:
             return None
         aux_states = torch.zeros(max(decode_sizes), width, dtype=self.dtype, device=self.device)
-        gids = self.draft_kv_cache_group_ids
-        rows = [gids[g] for g in self._layer_group_idx] if per_layer else [gids[0]]
         return ContextStoreGraphs(
             store,
             aux_states,
             self.target_input_buffers.positions,
             self.block_tables.slot_mappings,
-            rows,
+            self._context_slot_rows(),
             per_layer,
             decode_sizes,
             combine_fn=self.model.combine_hidden_states,

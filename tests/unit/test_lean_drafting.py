@@ -150,6 +150,16 @@ def _draft(spec, num_reqs):
                                      None, None, None)
 
 
+def _assert_first_nodes_of_the_full_tree(spec, full_logits, num_reqs, budget):
+    """The speculator's trees are the full tree's first budget + 1 nodes, nothing after
+    them; returns the full tree."""
+    full = build_tree_reference(full_logits[:num_reqs], 64, 64)
+    for name, a, b in zip(DDTree._fields, full, spec.trees):
+        assert torch.equal(a[:, : budget + 1], b[:num_reqs, : budget + 1]), name
+    assert not spec.trees.node_valid[:num_reqs, budget + 1:].any()
+    return full
+
+
 @pytest.mark.parametrize("num_reqs, budget", [(2, 64), (3, 4), (4, 1)])
 def test_generate_draft_computes_only_what_the_budget_needs(num_reqs, budget):
     table = [0, 64, 64, 4, 1, 0, 0]
@@ -157,10 +167,7 @@ def test_generate_draft_computes_only_what_the_budget_needs(num_reqs, budget):
     _draft(spec, num_reqs)
     depth, k = draft_shape(budget, 15, 64)
     assert calls["logit_rows"] == [num_reqs * depth]
-    full = build_tree_reference(full_logits[:num_reqs], 64, 64)
-    for name, a, b in zip(DDTree._fields, full, spec.trees):
-        assert torch.equal(a[:, : budget + 1], b[:num_reqs, : budget + 1]), name
-    assert not spec.trees.node_valid[:num_reqs, budget + 1:].any()
+    _assert_first_nodes_of_the_full_tree(spec, full_logits, num_reqs, budget)
     assert torch.equal(spec.draft_tokens[:num_reqs], spec.trees.node_tokens[:num_reqs, 1:])
 
 
@@ -197,10 +204,7 @@ def test_with_the_online_controller_the_head_follows_the_steps_level(num_reqs, l
     DDTreeSpeculator._draft_level(spec, num_reqs, level)
     depth, _ = draft_shape(level, 15, 64)
     assert calls["logit_rows"] == [num_reqs * depth]
-    full = build_tree_reference(full_logits[:num_reqs], 64, 64)
-    for name, a, b in zip(DDTree._fields, full, spec.trees):
-        assert torch.equal(a[:, : level + 1], b[:num_reqs, : level + 1]), name
-    assert not spec.trees.node_valid[:num_reqs, level + 1:].any()
+    full = _assert_first_nodes_of_the_full_tree(spec, full_logits, num_reqs, level)
     assert torch.equal(spec.draft_tokens[:num_reqs, :level],
                        full.node_tokens[:, 1: level + 1])
 
