@@ -210,7 +210,13 @@ case "$step" in
     read -r -a configs <<< "${GOALS_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
     read -r -a temps <<< "${GOALS_TEMPERATURES:-0 1}"
     read -r -a sizes <<< "${GOALS_BATCH_SIZES:-1 4 16 64}"
-    fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" \
+    # A steady cell runs GOALS_MIN_WAVES generations of BATCH requests (4): with the
+    # suite's 8 requests a cell, batch 16 and 64 ran one generation, 0.5-1.0 s that the
+    # controller's first steps and probes dominated
+    # (bench/results/2026-12-02-goals-steady-held-out-sharegpt/).
+    waves=()
+    [ "${GOALS_MODE:-waves}" = steady ] && waves=(--min-waves "${GOALS_MIN_WAVES:-4}")
+    fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" "${waves[@]}" \
       --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
       --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
       --engine-rounds "${GOALS_ENGINE_ROUNDS:-1}" \
