@@ -57,7 +57,8 @@
 #                                          # (GAP_PROFILE_BATCH, GAP_PROFILE_CONFIGS;
 #                                          # GAP_PROFILE_STEADY=N: a steady cell of N
 #                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces;
-#                                          # GAP_PROFILE_SYNC=1: where the host waits for the GPU)
+#                                          # GAP_PROFILE_SYNC=1: where the host waits for the GPU;
+#                                          # GAP_PROFILE_TEMPERATURE: seeded T > 0)
 #   bash bench/gpu_session.sh flashtests   # GPU tests of trees on FlashAttention (opt-in route)
 #   bash bench/gpu_session.sh drafter-data   # the drafter's training sequences through vLLM
 #   bash bench/gpu_session.sh drafter-train  # one resumable training run on them
@@ -353,6 +354,7 @@ case "$step" in
     for config in "${pconfigs[@]}"; do
       timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
         --configs "$config" --max-tokens 64 --out-dir "$OUT/profile" \
+        --temperature "${GAP_PROFILE_TEMPERATURE:-0}" \
         ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
         ${GAP_PROFILE_SYNC:+--sync-stacks} \
         >> "$OUT/profile/profile-step.log" 2>&1

@@ -61,6 +61,7 @@ from bench.run import (  # noqa: E402
     DEFAULT_DRAFTER,
     STEADY_WARMUP_WAVES,
     _free,
+    _sampling_params,
     config_engine_kwargs,
     engine_environment,
     file_stem,
@@ -238,12 +239,12 @@ def cprofile_text(prof: cProfile.Profile, top: int = 45) -> str:
     return out.getvalue()
 
 
-def generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def generate(llm, prompts, max_tokens: int, temperature: float = 0.0) -> tuple[float, int]:
+    """One wave; at T > 0 each request seeded as in bench/run.py's cells."""
+    sps = [_sampling_params(temperature, max_tokens, i, dummy=False)
+           for i in range(len(prompts))]
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -253,9 +254,9 @@ def workload(llm, args, prompts) -> tuple[float, int]:
     ``--batch-size`` of them in flight, so steps that prefill a joining request are
     profiled beside decode steps as a server sees them."""
     if not args.steady_requests:
-        return generate(llm, prompts, args.max_tokens)
-    outputs, summary, _ = run_cell_steady(llm, prompts, args.batch_size, 0.0, args.max_tokens,
-                                          dummy=False)
+        return generate(llm, prompts, args.max_tokens, args.temperature)
+    outputs, summary, _ = run_cell_steady(llm, prompts, args.batch_size, args.temperature,
+                                          args.max_tokens, dummy=False)
     return summary["wall_s"], sum(len(o) for o in outputs)
 
 
@@ -274,14 +275,15 @@ def start_engine(args, name: str, **extra):
 def plain_run(llm, args, prompts) -> tuple[dict, int]:
     """Warm up, then one timed generation without profilers: its numbers and the
     engine steps per request (spec-decode drafts; one per token without speculation)."""
-    generate(llm, prompts[: args.batch_size], 16)  # warm-up
+    generate(llm, prompts[: args.batch_size], 16, args.temperature)  # warm-up
     if args.steady_requests:
         # Joining steps' first-use costs too (the first of three steady passes was
         # slower than the cProfiled one,
         # bench/results/2026-11-30-steady-full-graphs-host-profile/),
         # as bench/run.py's steady warm-up.
         run_cell_steady(llm, prompts[: STEADY_WARMUP_WAVES * args.batch_size],
-                        args.batch_size, 0.0, max(8, args.max_tokens // 2), dummy=False)
+                        args.batch_size, args.temperature, max(8, args.max_tokens // 2),
+                        dummy=False)
     before = spec_counters(llm.get_metrics())
     wall, n = workload(llm, args, prompts)
     delta = spec_counters(llm.get_metrics()).minus(before)
@@ -298,6 +300,7 @@ def profile_config(args, name: str, prompts) -> dict:
 
     llm = start_engine(args, name)
     rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+                 "temperature": args.temperature,
                  "steady_requests": args.steady_requests or None, "cuda_graphs": not args.eager}
     rec["plain"], steps = plain_run(llm, args, prompts)
 
@@ -365,6 +368,7 @@ def profile_config_mp(args, name: str, prompts) -> dict:
     llm = start_engine(args, name, profiler_config=ProfilerConfig(
         profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=True))
     rec: dict = {"config": name, "batch_size": args.batch_size, "max_tokens": args.max_tokens,
+                 "temperature": args.temperature,
                  "steady_requests": args.steady_requests or None, "cuda_graphs": not args.eager,
                  "engine_process": "mp"}
     rec["plain"], steps = plain_run(llm, args, prompts)
@@ -405,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-requests", type=int, default=0, metavar="N",
                     help="profile a constant-concurrency cell of N requests (N > "
                          "--batch-size), --batch-size in flight, instead of one wave")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (T > 0: each request seeded as in bench/run.py)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzip)")

@@ -463,6 +463,29 @@ def test_summarize_trace_mode_writes_every_kernel(tmp_path):
         profile_main(["--summarize-trace", str(trace), "--out-dir", str(tmp_path)])
 
 
+def test_profile_step_samples_at_the_asked_temperature_seeded_as_the_benchmark():
+    """bench/profile_step.py --temperature: each request of a profiled wave carries the
+    temperature and bench/run.py's per-request seed (1000 + index), none at T=0."""
+    from types import SimpleNamespace
+
+    from bench.profile_step import generate
+
+    seen = []
+
+    class FakeLLM:
+        def generate(self, prompts, sps, use_tqdm=False):
+            seen.append(sps)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * sp.max_tokens)])
+                    for sp in sps]
+
+    wall, n = generate(FakeLLM(), [[1, 2], [3], [4]], 5, temperature=1.0)
+    assert n == 15 and wall >= 0
+    assert [(sp.temperature, sp.seed, sp.ignore_eos) for sp in seen[0]] == \
+        [(1.0, 1000, True), (1.0, 1001, True), (1.0, 1002, True)]
+    generate(FakeLLM(), [[1]], 3)
+    assert (seen[1][0].temperature, seen[1][0].seed) == (0.0, None)
+
+
 def test_code_digest_changes_with_the_measured_code_only(tmp_path):
     from bench.run import code_digest
 
@@ -917,7 +940,8 @@ def test_profile_step_steady_workload_keeps_the_batch_in_flight(monkeypatch):
     warmups = []
     llm = types.SimpleNamespace(llm_engine=engine, get_metrics=lambda: [],
                                 generate=lambda prompts, *a, **k: warmups.append(len(prompts)) or [])
-    args = types.SimpleNamespace(steady_requests=6, batch_size=2, max_tokens=8)
+    args = types.SimpleNamespace(steady_requests=6, batch_size=2, max_tokens=8,
+                                 temperature=0.0)
     prompts = [[i] for i in range(6)]
     plain, steps = profile_step.plain_run(llm, args, prompts)
     # The warm-up: one wave of --batch-size prompts, then an untimed steady cell of two
