@@ -68,6 +68,13 @@ SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DEFER
                                 DIRECT_LAUNCH, TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)
 
 
+def known_names() -> frozenset[str]:
+    """The variables of :data:`SWITCHES`: vLLM's check of the environment (patch
+    ``engine_ddtree-environment-variables``) counts them as known, so setting one
+    neither warns nor, with ``fail_on_environ_validation``, stops the engine."""
+    return frozenset(s.name for s in SWITCHES)
+
+
 def env_flag(name: str, default: bool) -> bool:
     """``name``'s value as a boolean; ``default`` when it is unset or empty."""
     raw = os.environ.get(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -146,3 +147,34 @@ def test_every_switch_is_declared_once_and_documented():
     for path in PACKAGE.glob("*.py"):
         spelled |= set(re.findall(r"VLLM_DDTREE_[A-Z_]*[A-Z]", path.read_text()))
     assert spelled <= set(names), spelled - set(names)
+
+
+def _vllm_environ_check():
+    """vLLM's check of the environment as the engine arguments call it: a function of
+    vllm.envs on 0.26.0, the platform's class method on 0.33.0."""
+    pytest.importorskip("vllm")
+    from vllm import envs
+
+    if hasattr(envs, "validate_environ"):
+        return envs.validate_environ
+    from vllm.platforms.interface import Platform
+
+    return Platform.validate_environ
+
+
+def test_vllm_knows_the_documented_switches_and_still_reports_a_typo(monkeypatch):
+    """Patch engine_ddtree-environment-variables: with vLLM's strict check
+    (fail_on_environ_validation) every VLLM_DDTREE_* switch the package declares is
+    accepted, and a name it does not declare is still refused by name."""
+    from vllm_ddtree.env import SWITCHES, known_names
+
+    check = _vllm_environ_check()
+    for name in [n for n in os.environ if n.startswith("VLLM_")]:
+        monkeypatch.delenv(name)
+    assert known_names() == {s.name for s in SWITCHES}
+    for s in SWITCHES:
+        monkeypatch.setenv(s.name, "1" if s.kind == "flag" else "x")
+    check(True)  # no error: all declared
+    monkeypatch.setenv("VLLM_DDTREE_DEFER_CONTXT", "1")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_DEFER_CONTXT"):
+        check(True)
