@@ -78,9 +78,10 @@ tokens waits ``x * (L + 2) / share`` of the bucket's steps from that budget's la
 probe (``L``: its length; ``share``: ``probe_cost_share`` = 1 % split between the
 bucket's candidates), so probing costs at most ~1 % of the time even where drafting
 costs most (a drafting step of an 8B-shaped target at batch 64 that accepts nothing
-takes ~3x a step without drafts), and a probe expected to pay is not delayed. So a
-workload change is noticed within about ``probe_interval_max`` + a probe +
-``refresh_steps`` of a bucket's steps.
+takes ~3x a step without drafts; at batch 1 a probe is 64 steps long) and a probe
+expected to pay is not delayed. So a workload change is noticed within about
+``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and within
+``probe_spacing_max`` (4096) where a probe is dear for its length.
 
 **Determinism.** No clocks, no random numbers, no iteration over hashed containers:
 the table is a function of the sequence of :class:`StepStats` fed to it and the
@@ -324,6 +325,7 @@ class BudgetController:
         probe_interval_max: int = 1024,
         probe_when_drafting: bool = True,
         probe_cost_share: float = 0.01,
+        probe_spacing_max: int = 4096,
     ) -> None:
         if max_budget < 1 or max_depth < 1 or max_batch_size < 1:
             raise ValueError("max_budget, max_depth and max_batch_size must be >= 1")
@@ -338,8 +340,9 @@ class BudgetController:
             raise ValueError("need 0 < half_life_steps <= shape_half_life_steps")
         if refresh_steps < 1 or min_hold_steps < 0 or probe_steps < 1:
             raise ValueError("refresh_steps and probe_steps must be >= 1, min_hold_steps >= 0")
-        if not 1 <= probe_interval_min <= probe_interval_max:
-            raise ValueError("need 1 <= probe_interval_min <= probe_interval_max")
+        if not 1 <= probe_interval_min <= probe_interval_max <= probe_spacing_max:
+            raise ValueError("need 1 <= probe_interval_min <= probe_interval_max "
+                             "<= probe_spacing_max")
         if margin < 0 or prior_weight <= 0:
             raise ValueError("need margin >= 0 and prior_weight > 0")
         if not 0 < probe_cost_share <= 1:
@@ -371,6 +374,7 @@ class BudgetController:
         self.probe_interval_min = int(probe_interval_min)
         self.probe_interval_max = int(probe_interval_max)
         self.probe_cost_share = float(probe_cost_share)
+        self.probe_spacing_max = int(probe_spacing_max)
         self._step = 0
         self.version = 0
         self._buckets: list[_Bucket] = []
@@ -589,7 +593,11 @@ class BudgetController:
         budgets at each end; spaced by that over its part of ``probe_cost_share``
         (``parts`` candidates share it), exploration costs at most that share of the
         time the estimates expect, and a probe they say would pay is not held back.
-        At most ``probe_interval_max``, so a change of workload is still noticed; 0
+        At most ``probe_spacing_max`` (4096), so a change of workload is still
+        noticed: above ``probe_interval_max`` only for a probe that is dear for its
+        length (at batch 1 a probe verifies 64 steps for ``probe_requests``; where a
+        drafting step costs 1.7x one without drafts, as on a small target whose host
+        sets the pace, 1024 steps between such probes spent ~4 % of the time); 0
         (the doubling interval alone) for a budget without a measurement in the slow
         statistics, whose estimate is the prior's or the start-up model's."""
         li = self._index[target]
@@ -603,12 +611,12 @@ class BudgetController:
         scores = est["scores"]
         cur, new = scores[self._index[bk.choice]], scores[li]
         if not new > 0:
-            return self.probe_interval_max
+            return self.probe_spacing_max
         # The time a probe step takes beyond a step of the choice for the same tokens.
         extra = max(0.0, cur / new - 1.0)
         share = self.probe_cost_share / max(1, parts)
         steps = extra * (self.probe_length(bk, target) + 2) / share
-        return min(self.probe_interval_max, math.ceil(steps))
+        return min(self.probe_spacing_max, math.ceil(steps))
 
     def _end_probe(self, i: int) -> bool:
         """A probe's data is in: switch if the bucket's best now beats its choice by

@@ -229,6 +229,34 @@ def test_exploration_costs_at_most_its_share_of_time():
         assert spent <= 1.012 * plain, (n, spent / plain)
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_exploration_share_holds_where_the_host_sets_the_pace(n):
+    # A small target whose host sets a step's pace: a step without drafts takes 2.4 ms,
+    # a drafting step ~4.1 ms (1.7x), nothing is accepted. At batch 1 a probe verifies
+    # 64 steps (probe_requests); spaced by probe_interval_max (1024) alone such probes
+    # spent 4.4 % of the time at batch 1 and 2.3 % at batch 2. The priced spacing may
+    # wait up to probe_spacing_max (4096) for them.
+    cost = StartupCost(target_forward_ms=lambda t: 0.4 + 0.001 * t,
+                       drafter_ms=lambda m: 1.4 + 0.01 * m, context_store_ms=0.0,
+                       tree_ms_per_step=0.3, host_ms=2.0)
+    eng = Engine(controller(cost=cost), seed=n, cost=cost)
+    while eng.ctl.choice_for(n) != 0:
+        eng.step(n, quality=0.0)
+    before = len(eng.trace) + 1
+    eng.run(20000, n, quality=0.0)
+    assert set(eng.choices[before:]) == {0}
+    spent = sum(cost(m, b) for m, b in eng.trace[before:])
+    plain = sum(cost(m, 0) for m, _ in eng.trace[before:])
+    assert spent <= 1.013 * plain, (n, spent / plain)
+    # Still probing: a change of workload is noticed.
+    assert sum(1 for _, b in eng.trace[before:] if b) >= 64 * 4
+
+
+def test_probe_spacing_max_bounds_the_intervals():
+    with pytest.raises(ValueError, match="probe_interval_max <= probe_spacing_max"):
+        controller(probe_interval_max=1024, probe_spacing_max=512)
+
+
 # ------------------------------------------------------------- 3. coming back
 
 
