@@ -59,7 +59,8 @@ def drafter_info(path: str) -> dict:
 
 
 def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[dict]:
-    """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step); its
+    """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step) and,
+    from ``bench.fixture.offline_tau``, DDTree's trees by budget (``trees``); the
     evaluation sets carry the engine's prompt-set names (sharegpt, humaneval)."""
     rows = []
     for name, r in (eval_doc.get("eval") or {}).items():
@@ -67,6 +68,12 @@ def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[
                      "budget": chain_length, "temperature": 0.0, "batch_size": None,
                      "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
                      "where": "offline", "source": source})
+    for name, by_budget in (eval_doc.get("trees") or {}).items():
+        for budget, r in by_budget.items():
+            rows.append({"prompt_set": name, "method": "ddtree",
+                         "budget": int(budget), "temperature": 0.0, "batch_size": None,
+                         "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
+                         "where": "offline", "source": source})
     return rows
 
 
@@ -115,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="*", help="bench/run.py result JSON(s), .json or .json.gz")
     ap.add_argument("--drafter", required=True, help="the drafter's directory")
     ap.add_argument("--offline", action="append", default=[],
-                    help="the trainer's eval.json (repeatable)")
+                    help="the trainer's eval.json or bench.fixture.offline_tau's output "
+                         "(repeatable)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     doc = build(a.drafter, a.offline, a.runs)

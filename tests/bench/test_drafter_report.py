@@ -35,8 +35,12 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
     ev = tmp_path / "eval.json"
     ev.write_text(json.dumps({"eval": {"sharegpt": {"tau": 1.45, "p_accept_ge_k": [0.3]},
                                        "humaneval": {"tau": 1.51, "p_accept_ge_k": [0.4]}}}))
+    trees = tmp_path / "offline-trees.json"
+    trees.write_text(json.dumps({"trees": {"sharegpt": {"8": {"tau": 1.9, "p_accept_ge_k": [0.6]},
+                                                        "128": {"tau": 2.6}}}}))
     out = tmp_path / "drafter.json"
-    assert R.main(["--drafter", DRAFTER, "--offline", str(ev), "--out", str(out), run]) == 0
+    assert R.main(["--drafter", DRAFTER, "--offline", str(ev), "--offline", str(trees),
+                   "--out", str(out), run]) == 0
     doc = json.loads(out.read_text())
     d = doc["drafter"]
     assert d["params"] == 8076928 and d["bytes"] == os.path.getsize(
@@ -53,6 +57,8 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
         ("engine", "sharegpt-untrained", "ddtree", 64, 1.0): (1.9, True),
         ("offline", "sharegpt", "dflash", 15, 0.0): (1.45, None),
         ("offline", "humaneval", "dflash", 15, 0.0): (1.51, None),
+        ("offline", "sharegpt", "ddtree", 8, 0.0): (1.9, None),
+        ("offline", "sharegpt", "ddtree", 128, 0.0): (2.6, None),
     }
 
 
