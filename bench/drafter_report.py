@@ -68,6 +68,17 @@ def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[
                      "budget": chain_length, "temperature": 0.0, "batch_size": None,
                      "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
                      "where": "offline", "source": source})
+    for name, r in (eval_doc.get("chain_t1") or {}).items():
+        # Not the walk's tau: the expected tokens per step from a random anchor of the
+        # greedy answers (at T > 0 the walk leaves them), with the same anchors' T=0
+        # figure to compare it with.
+        if r.get("anchors"):
+            rows.append({"prompt_set": name, "method": "dflash", "budget": chain_length,
+                         "temperature": r["temperature"], "batch_size": None,
+                         "tau": r["tau_all_anchors"], "tau_kind": "mean over anchors",
+                         "t0_same_anchors": r["t0_tau_all_anchors"],
+                         "acceptance_by_depth": r.get("p_accept_ge_k"),
+                         "where": "offline", "source": source})
     for name, by_budget in (eval_doc.get("trees") or {}).items():
         for budget, r in by_budget.items():
             rows.append({"prompt_set": name, "method": "ddtree",

@@ -37,7 +37,10 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
                                        "humaneval": {"tau": 1.51, "p_accept_ge_k": [0.4]}}}))
     trees = tmp_path / "offline-trees.json"
     trees.write_text(json.dumps({"trees": {"sharegpt": {"8": {"tau": 1.9, "p_accept_ge_k": [0.6]},
-                                                        "128": {"tau": 2.6}}}}))
+                                                        "128": {"tau": 2.6}}},
+                                 "chain_t1": {"sharegpt": {"temperature": 1.0, "anchors": 9,
+                                                           "tau_all_anchors": 1.3,
+                                                           "t0_tau_all_anchors": 1.8}}}))
     out = tmp_path / "drafter.json"
     assert R.main(["--drafter", DRAFTER, "--offline", str(ev), "--offline", str(trees),
                    "--out", str(out), run]) == 0
@@ -59,7 +62,10 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
         ("offline", "humaneval", "dflash", 15, 0.0): (1.51, None),
         ("offline", "sharegpt", "ddtree", 8, 0.0): (1.9, None),
         ("offline", "sharegpt", "ddtree", 128, 0.0): (2.6, None),
+        ("offline", "sharegpt", "dflash", 15, 1.0): (1.3, None),
     }
+    t1 = next(r for r in doc["tau"] if r["temperature"] == 1.0 and r["where"] == "offline")
+    assert t1["tau_kind"] == "mean over anchors" and t1["t0_same_anchors"] == 1.8
 
 
 def test_the_safetensors_parameter_count_reads_the_header(tmp_path):
