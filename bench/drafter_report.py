@@ -61,13 +61,16 @@ def drafter_info(path: str) -> dict:
 def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[dict]:
     """The trainer's simulated chain (``chain_length`` = block size - 1 drafts a step) and,
     from ``bench.fixture.offline_tau``, DDTree's trees by budget (``trees``); the
-    evaluation sets carry the engine's prompt-set names (sharegpt, humaneval)."""
+    evaluation sets carry the engine's prompt-set names (sharegpt, humaneval).
+    ``answers``: the first N answers of each set that were measured (``--limit``), None
+    for all of them."""
     rows = []
+    answers = eval_doc.get("limit")
     for name, r in (eval_doc.get("eval") or {}).items():
         rows.append({"prompt_set": name, "method": "dflash",
                      "budget": chain_length, "temperature": 0.0, "batch_size": None,
                      "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
-                     "where": "offline", "source": source})
+                     "answers": answers, "where": "offline", "source": source})
     for name, r in (eval_doc.get("chain_t1") or {}).items():
         # Not the walk's tau: the expected tokens per step from a random anchor of the
         # greedy answers (at T > 0 the walk leaves them), with the same anchors' T=0
@@ -78,13 +81,13 @@ def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[
                          "tau": r["tau_all_anchors"], "tau_kind": "mean over anchors",
                          "t0_same_anchors": r["t0_tau_all_anchors"],
                          "acceptance_by_depth": r.get("p_accept_ge_k"),
-                         "where": "offline", "source": source})
+                         "answers": answers, "where": "offline", "source": source})
     for name, by_budget in (eval_doc.get("trees") or {}).items():
         for budget, r in by_budget.items():
             rows.append({"prompt_set": name, "method": "ddtree",
                          "budget": int(budget), "temperature": 0.0, "batch_size": None,
                          "tau": r.get("tau"), "acceptance_by_depth": r.get("p_accept_ge_k"),
-                         "where": "offline", "source": source})
+                         "answers": answers, "where": "offline", "source": source})
     return rows
 
 
@@ -123,7 +126,7 @@ def build(drafter: str, offline: list[str], runs: list[str]) -> dict:
         revs.add(doc.get("git_rev"))
         rows += engine_rows(doc, os.path.relpath(path, ROOT))
     rows.sort(key=lambda x: (x["where"], x["prompt_set"], x["method"], x["budget"] or 0,
-                             x["temperature"], x["batch_size"] or 0))
+                             x["temperature"], x["batch_size"] or 0, x.get("answers") or 0))
     return {"drafter": info, "git_revs": sorted(r for r in revs if r),
             "tau": rows}
 

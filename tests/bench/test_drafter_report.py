@@ -64,6 +64,7 @@ def test_rows_from_runs_and_offline_eval(tmp_path):
         ("offline", "sharegpt", "ddtree", 128, 0.0): (2.6, None),
         ("offline", "sharegpt", "dflash", 15, 1.0): (1.3, None),
     }
+    assert {r.get("answers") for r in doc["tau"] if r["where"] == "offline"} == {None}
     t1 = next(r for r in doc["tau"] if r["temperature"] == 1.0 and r["where"] == "offline")
     assert t1["tau_kind"] == "mean over anchors" and t1["t0_same_anchors"] == 1.8
 
