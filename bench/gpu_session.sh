@@ -380,7 +380,9 @@ case "$step" in
     # $OUT/drafter-checkpoint (python3 -m bench.fixture.export_drafter makes the vLLM
     # drafter of it). DRAFTER_EVAL_SEQUENCES: the evaluation's target responses from an
     # earlier call (else generated and returned as $OUT/drafter-eval-responses.json.gz).
-    # DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...).
+    # DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...;
+    # --eval-tree-budgets 8 16 32 64 128 also simulates DDTree's trees after training,
+    # outside the deadline's --eval-reserve-s).
     prepare
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
