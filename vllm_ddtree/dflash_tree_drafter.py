@@ -223,7 +223,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         rows = [self.block_tables.slot_mappings[r] for r in self._context_slot_rows()]
         deferred.append(input_batch.req_ids, aux_hidden_states, input_batch.positions,
                         rows, self._store_deferred)
-        self.verifier.clear_trees(input_batch.idx_mapping)
+        self.verifier.clear_trees(input_batch.idx_mapping, input_batch.idx_mapping_np)
         return True
 
     def _store_drafter_context_only(
@@ -257,7 +257,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.model.precompute_and_store_context_kv(
             self.hidden_states[:num_tokens], self.context_positions[:num_tokens], context_slots
         )
-        self.verifier.clear_trees(input_batch.idx_mapping)
+        self.verifier.clear_trees(input_batch.idx_mapping, input_batch.idx_mapping_np)
 
     def _prepare_drafter_inputs(
         self,
@@ -475,7 +475,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1,
                   out=graphs.states[:num_tokens])
         graphs.replay(num_tokens)
-        self.verifier.clear_trees(input_batch.idx_mapping)
+        self.verifier.clear_trees(input_batch.idx_mapping, input_batch.idx_mapping_np)
         return True
 
     def _drafter_graph_batch_sizes(self) -> list[int]:
@@ -630,7 +630,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             if self._draft_hidden is not None:
                 self._warm_up_heads()
                 self._draft_level(input_batch.num_reqs, self._next_budget)
-            self.verifier.store_trees(self.trees, input_batch.idx_mapping)
+            self.verifier.store_trees(self.trees, input_batch.idx_mapping,
+                                       input_batch.idx_mapping_np)
             if not self._input_kernel_warm:
                 self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
                                            seeds)

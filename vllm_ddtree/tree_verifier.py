@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
@@ -108,6 +109,11 @@ class TreeVerifier:
         self.tokens_by_state = torch.zeros(shape, dtype=torch.int64, device=device)
         # The value clear_trees_ writes, kept on the device.
         self._no_tree = torch.zeros((), dtype=torch.bool, device=device)
+        # States that may hold a tree beyond the root (host side): a budget-0 step
+        # clears only those, so a run of budget-0 steps launches the reset once, not
+        # every step (its indexed assignment took ~60 us of host time a step,
+        # bench/results/2026-12-02-gap-profile-budget-0-t1-batch-4/).
+        self._may_hold_tree = np.ones(max_num_reqs, dtype=bool)
         # Per-request ancestor-only bias read by the patched attention backends.
         self.tree_attn_bias = allocate_tree_attn_bias(max_num_reqs, self.num_tree_nodes, device)
         # Linear positions of the verified rows (one per logit), restored after the walk.
@@ -148,9 +154,15 @@ class TreeVerifier:
 
     # -------------------------------------------------------------------- trees
 
-    def store_trees(self, trees: Any, idx_mapping: torch.Tensor) -> None:
+    def store_trees(self, trees: Any, idx_mapping: torch.Tensor,
+                    idx_mapping_np: np.ndarray | None = None) -> None:
         """A step's trees (``TreeBuffers`` in batch order) into the by-state tables the
-        next verification reads."""
+        next verification reads. ``idx_mapping_np``: the same states on the host (None:
+        any state may now hold a tree)."""
+        if idx_mapping_np is None:
+            self._may_hold_tree[:] = True
+        else:
+            self._may_hold_tree[idx_mapping_np] = True
         by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
                     self.valid_by_state)
         if self.fused_kernels:
@@ -158,7 +170,14 @@ class TreeVerifier:
         else:
             store_trees_by_state_torch_(trees, idx_mapping, *by_state)
 
-    def clear_trees(self, idx_mapping: torch.Tensor) -> None:
+    def clear_trees(self, idx_mapping: torch.Tensor,
+                    idx_mapping_np: np.ndarray | None = None) -> None:
+        """Make the trees of these states root-only; with ``idx_mapping_np`` (the same
+        states on the host) nothing is launched when none of them may hold a tree."""
+        if idx_mapping_np is not None:
+            if not self._may_hold_tree[idx_mapping_np].any():
+                return
+            self._may_hold_tree[idx_mapping_np] = False
         clear_trees_(self.valid_by_state, idx_mapping, self._no_tree)
 
     # ------------------------------------------------------------------ the step

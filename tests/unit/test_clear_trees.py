@@ -10,6 +10,7 @@ every budget-0 step (bench/results/2026-12-01-budget-0-host-sync/).
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,3 +61,39 @@ def test_the_sync_check_catches_a_host_scalar():
     valid, idx, _ = _case("cuda")
     with _syncs_are_errors(), pytest.raises(RuntimeError, match="synchroniz"):
         valid[idx, 1:] = False
+
+
+def test_verifier_clears_only_states_that_may_hold_a_tree():
+    """TreeVerifier.clear_trees with the host's state indices launches the reset once
+    for a run of budget-0 steps: a state cleared since its last stored tree is skipped,
+    and one that stored a tree again is cleared again."""
+    import numpy as np
+
+    from vllm_ddtree.tree_verifier import TreeVerifier
+
+    v = TreeVerifier(max_num_reqs=6, tree_budget=4, tree_depth=3, max_num_tokens=32,
+                     device="cpu", fused_kernels=False)
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    idx_np = np.array([4, 1], dtype=np.int32)
+    v.valid_by_state.fill_(True)
+    v.clear_trees(idx, idx_np)  # every state may hold a tree at start
+    assert not v.valid_by_state[[1, 4], 1:].any() and v.valid_by_state[0, 1:].all()
+    # Nothing stored since: the next budget-0 step launches nothing (a value planted
+    # behind the verifier's back stays).
+    v.valid_by_state[4, 2] = True
+    v.clear_trees(idx, idx_np)
+    assert bool(v.valid_by_state[4, 2])
+    # A full tree stored for state 4 (as propose() does): the next clear resets it.
+    n = v.num_tree_nodes
+    trees = SimpleNamespace(node_tokens=torch.zeros(1, n, dtype=torch.int64),
+                            node_parents=torch.zeros(1, n, dtype=torch.int32),
+                            node_depths=torch.zeros(1, n, dtype=torch.int32),
+                            node_valid=torch.ones(1, n, dtype=torch.bool))
+    v.store_trees(trees, idx[:1], idx_np[:1])
+    assert v.valid_by_state[4].all()
+    v.clear_trees(idx, idx_np)
+    assert not v.valid_by_state[4, 1:].any()
+    # Without host indices it always clears.
+    v.valid_by_state[1, 3] = True
+    v.clear_trees(idx)
+    assert not v.valid_by_state[1, 1:].any()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import numpy as np
 import torch
 
 from vllm_ddtree.budget import (
@@ -248,7 +249,8 @@ def test_propose_drafts_the_level_the_scheduler_verifies_next(monkeypatch):
     from vllm_ddtree.tree_verifier import TreeStep
 
     spec.verifier.step = TreeStep(next_budget=4)
-    batch = types.SimpleNamespace(num_reqs=3, num_tokens=3, idx_mapping=torch.tensor([5, 1, 3]))
+    batch = types.SimpleNamespace(num_reqs=3, num_tokens=3, idx_mapping=torch.tensor([5, 1, 3]),
+                                  idx_mapping_np=np.array([5, 1, 3]))
     z = torch.zeros(3)
     DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(3, 5), None, z, z, z, z, z, z)
     assert levels[-2:] == ["warm", (3, 4)]
@@ -362,7 +364,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.model = types.SimpleNamespace(
         precompute_and_store_context_kv=lambda h, pos, slots: calls["store"].append(
             (h.clone(), pos.clone(), slots.clone())))
-    spec.verifier.store_trees = lambda trees, idx: None
+    spec.verifier.store_trees = lambda trees, idx, idx_np=None: None
     spec._input_kernel_warm = True  # tests/unit/test_dflash_input_warmup.py covers it
     spec._draft_hidden = None
     return spec, calls
@@ -382,7 +384,8 @@ def _propose(spec, num_reqs, hidden):
     from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
 
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=hidden.shape[0],
-                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs]))
+                                  idx_mapping=torch.tensor([5, 1, 3][:num_reqs]),
+                                  idx_mapping_np=np.array([5, 1, 3][:num_reqs]))
     _schedule_next(spec, num_reqs)
     z = torch.zeros(num_reqs)
     return DDTreeSpeculator.propose(spec, batch, {}, {}, hidden, None, z, z, z, z, z, z)
@@ -423,7 +426,8 @@ def test_dflash_input_kernel_warms_up_after_the_first_step_that_ran_it(monkeypat
 
     spec._warm_up_input_kernel = warm_up
     z = torch.zeros(2)
-    batch = types.SimpleNamespace(num_reqs=2, num_tokens=2, idx_mapping=torch.tensor([5, 1]))
+    batch = types.SimpleNamespace(num_reqs=2, num_tokens=2, idx_mapping=torch.tensor([5, 1]),
+                                  idx_mapping_np=np.array([5, 1]))
     DDTreeSpeculator.propose(spec, batch, {}, {}, torch.randn(2, 5), None, z, z, z, z, z, z,
                              dummy_run=True)
     assert warm_ups == []
@@ -471,6 +475,7 @@ def _propose_aux(spec, num_reqs, num_tokens, positions, req_ids=None):
     # int32, as the runner's idx_mapping.
     batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_tokens,
                                   idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
+                                  idx_mapping_np=np.array([5, 1, 3][:num_reqs]),
                                   positions=positions[:num_tokens], req_ids=req_ids)
     aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
     _schedule_next(spec, num_reqs)
