@@ -62,21 +62,32 @@ def _prompts(n: int, seed: int = 0) -> list[dict]:
 
 
 def _engine(target, spec, eager, dummy, dtype, **kw):
+    """An engine on vLLM's V2 model runner, whatever the method: DDTree always runs on
+    it, and vLLM's V1 runner (its default for MoE targets) draws seeded samples with
+    per-request generators instead of V2's (seed, position) Gumbel keys, so a seeded
+    reference on V1 differs from any V2 engine from the first token (the tiny Qwen3-MoE
+    run, bench/results/2026-12-02-lossless-seeded-moe-and-graphs-aborts/).
+    DDTREE_CHECK_RUNNER=default leaves the choice to vLLM."""
     from vllm import LLM
 
-    return LLM(
-        model=target,
-        speculative_config=spec,
-        enforce_eager=eager,
-        load_format="dummy" if dummy else "auto",
-        skip_tokenizer_init=dummy,
-        dtype=dtype,
-        gpu_memory_utilization=float(os.environ.get("GPU_MEM_UTIL", "0.12")),
-        max_model_len=2048,
-        seed=0,
-        tensor_parallel_size=int(os.environ.get("DDTREE_CHECK_TP", "1")),
-        **kw,
-    )
+    from bench.run import engine_environment
+
+    runner = {} if os.environ.get("DDTREE_CHECK_RUNNER") == "default" else {
+        "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    with engine_environment(runner):
+        return LLM(
+            model=target,
+            speculative_config=spec,
+            enforce_eager=eager,
+            load_format="dummy" if dummy else "auto",
+            skip_tokenizer_init=dummy,
+            dtype=dtype,
+            gpu_memory_utilization=float(os.environ.get("GPU_MEM_UTIL", "0.12")),
+            max_model_len=2048,
+            seed=0,
+            tensor_parallel_size=int(os.environ.get("DDTREE_CHECK_TP", "1")),
+            **kw,
+        )
 
 
 def _free(llm):
@@ -418,7 +429,9 @@ def _provenance() -> dict:
 
     from bench.run import code_digest, git_rev
 
-    return dict(vllm_version=vllm.__version__, git_rev=git_rev(), code_digest=code_digest())
+    return dict(vllm_version=vllm.__version__, git_rev=git_rev(), code_digest=code_digest(),
+                model_runner=("vLLM's default" if os.environ.get("DDTREE_CHECK_RUNNER") == "default"
+                              else "v2"))
 
 
 def case_row(results: dict, *, target: str, config: str, graphs: bool, batch: int,
