@@ -121,7 +121,9 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 # trees verified on FlashAttention (context call + tree kernel, opt-in)
                 "flashtree": ("VLLM_DDTREE_TREE_ATTENTION", "flash"),
                 # the drafter's context buffered while drafting is off (opt-in)
-                "defer": ("VLLM_DDTREE_DEFER_CONTEXT", "1")}
+                "defer": ("VLLM_DDTREE_DEFER_CONTEXT", "1"),
+                # the unfused (torch) tree kernels instead of the fused Triton ones
+                "unfused": ("VLLM_DDTREE_FUSED_KERNELS", "0")}
 
 
 # Name suffixes that set an engine argument instead: "no-spec+tritonattn" is plain
