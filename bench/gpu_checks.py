@@ -61,20 +61,25 @@ def _prompts(n: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def _engine(target, spec, eager, dummy, dtype, **kw):
-    """An engine on vLLM's V2 model runner, whatever the method: DDTree always runs on
+def _runner_env() -> dict[str, str]:
+    """Every engine on vLLM's V2 model runner, whatever the method: DDTree always runs on
     it, and vLLM's V1 runner (its default for MoE targets) draws seeded samples with
     per-request generators instead of V2's (seed, position) Gumbel keys, so a seeded
     reference on V1 differs from any V2 engine from the first token (the tiny Qwen3-MoE
     run, bench/results/2026-12-02-lossless-seeded-moe-and-graphs-aborts/).
-    DDTREE_CHECK_RUNNER=default leaves the choice to vLLM."""
+    DDTREE_CHECK_RUNNER=default leaves the choice to vLLM (empty)."""
+    if os.environ.get("DDTREE_CHECK_RUNNER") == "default":
+        return {}
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def _engine(target, spec, eager, dummy, dtype, **kw):
+    """An engine for the checks, on the runner :func:`_runner_env` picks."""
     from vllm import LLM
 
     from bench.run import engine_environment
 
-    runner = {} if os.environ.get("DDTREE_CHECK_RUNNER") == "default" else {
-        "VLLM_USE_V2_MODEL_RUNNER": "1"}
-    with engine_environment(runner):
+    with engine_environment(_runner_env()):
         return LLM(
             model=target,
             speculative_config=spec,
@@ -430,8 +435,7 @@ def _provenance() -> dict:
     from bench.run import code_digest, git_rev
 
     return dict(vllm_version=vllm.__version__, git_rev=git_rev(), code_digest=code_digest(),
-                model_runner=("vLLM's default" if os.environ.get("DDTREE_CHECK_RUNNER") == "default"
-                              else "v2"))
+                model_runner="v2" if _runner_env() else "vLLM's default")
 
 
 def case_row(results: dict, *, target: str, config: str, graphs: bool, batch: int,
