@@ -408,9 +408,10 @@ def _generate_with_aborts(llm, prompts, max_tokens, abort_every: int, abort_afte
 EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step",
                        "ddtree-disable-by-batch", "dflash-chain", "no-spec-preempt",
                        "ddtree-preempt")
-# Opt-in: a control of the engine itself (no speculation), and the multi-launch
-# paths (VLLM_DDTREE_FUSED_KERNELS=0), which must give the same tokens.
-EQUIV_REAL_CONTROLS = ("no-spec-batch-shape", "ddtree-unfused")
+# Opt-in: a control of the engine itself (no speculation), and paths off by default
+# that must give the same tokens: the multi-launch kernels (VLLM_DDTREE_FUSED_KERNELS=0)
+# and the drafter's context deferred while drafting is off (VLLM_DDTREE_DEFER_CONTEXT=1).
+EQUIV_REAL_CONTROLS = ("no-spec-batch-shape", "ddtree-unfused", "ddtree-deferred-context")
 
 
 def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
@@ -634,6 +635,12 @@ def run_equiv_real(args) -> dict:
         # without drafts and drafts again in its tail.
         ("ddtree-disable-by-batch", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
                                          ddtree_disable_by_batch_size=4), {}, {}),
+        # The same with the drafter's context deferred while drafting is off
+        # (VLLM_DDTREE_DEFER_CONTEXT=1): the budget-0 stretch buffers the context, the
+        # tail's first drafting step flushes it before drafting.
+        ("ddtree-deferred-context", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
+                                         ddtree_disable_by_batch_size=4), {},
+         {"VLLM_DDTREE_DEFER_CONTEXT": "1"}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}, {}),
     ]
     for name, spec_extra, engine_kw, env in variants:
