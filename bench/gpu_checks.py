@@ -624,6 +624,8 @@ def run_equiv_real(args) -> dict:
     _free(base)
 
     budget = args.budgets[0]
+    disable_by_batch = dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
+                            ddtree_disable_by_batch_size=4)
     variants = [
         ("ddtree-async", dict(num_speculative_tokens=budget), {}, {}),
         ("ddtree-unfused", dict(num_speculative_tokens=budget), {},
@@ -633,14 +635,11 @@ def run_equiv_real(args) -> dict:
          {}, {}),
         # Budget 0 (drafter context only) from 4 requests on: a batch of 16 decodes
         # without drafts and drafts again in its tail.
-        ("ddtree-disable-by-batch", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
-                                         ddtree_disable_by_batch_size=4), {}, {}),
+        ("ddtree-disable-by-batch", disable_by_batch, {}, {}),
         # The same with the drafter's context deferred while drafting is off
         # (VLLM_DDTREE_DEFER_CONTEXT=1): the budget-0 stretch buffers the context, the
         # tail's first drafting step flushes it before drafting.
-        ("ddtree-deferred-context", dict(num_speculative_tokens=64, ddtree_tokens_per_step=256,
-                                         ddtree_disable_by_batch_size=4), {},
-         {"VLLM_DDTREE_DEFER_CONTEXT": "1"}),
+        ("ddtree-deferred-context", disable_by_batch, {}, {"VLLM_DDTREE_DEFER_CONTEXT": "1"}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}, {}),
     ]
     for name, spec_extra, engine_kw, env in variants:

@@ -189,7 +189,6 @@ def test_the_triton_builder_passes_the_bias_only_to_steps_with_trees():
     assert _triton_builder(None).build(0, _triton_common_metadata([8, 1], [20, 9])).tree_attn_bias is None
 
 
-
 def test_every_captured_full_graph_reads_the_bias():
     """build_for_cudagraph_capture(): a FULL graph captured with one query token per
     request (vLLM's mixed graphs up to max_num_seqs tokens are) is also replayed for
@@ -203,6 +202,7 @@ def test_every_captured_full_graph_reads_the_bias():
         assert meta.tree_attn_bias is bias
     assert _triton_builder(None).build_for_cudagraph_capture(
         _triton_common_metadata([1, 1], [5, 5])).tree_attn_bias is None
+
 
 def test_reference_causal_matches_sdpa():
     """The reference itself, against torch SDPA on contiguous KV."""
