@@ -410,8 +410,9 @@ EQUIV_REAL_VARIANTS = ("ddtree-async", "ddtree-sync", "ddtree-tokens-per-step",
                        "ddtree-preempt")
 # Opt-in: a control of the engine itself (no speculation), and paths off by default
 # that must give the same tokens: the multi-launch kernels (VLLM_DDTREE_FUSED_KERNELS=0)
-# and the drafter's context deferred while drafting is off (VLLM_DDTREE_DEFER_CONTEXT=1).
-EQUIV_REAL_CONTROLS = ("no-spec-batch-shape", "ddtree-unfused", "ddtree-deferred-context")
+# and the drafter's context stored every step while drafting is off
+# (VLLM_DDTREE_DEFER_CONTEXT=0; deferred by default).
+EQUIV_REAL_CONTROLS = ("no-spec-batch-shape", "ddtree-unfused", "ddtree-stored-context")
 
 
 def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
@@ -634,12 +635,12 @@ def run_equiv_real(args) -> dict:
         ("ddtree-tokens-per-step", dict(num_speculative_tokens=64, ddtree_tokens_per_step=512),
          {}, {}),
         # Budget 0 (drafter context only) from 4 requests on: a batch of 16 decodes
-        # without drafts and drafts again in its tail.
+        # without drafts and drafts again in its tail. The budget-0 stretch buffers the
+        # drafter's context (the default), the tail's first drafting step stores it
+        # before drafting ...
         ("ddtree-disable-by-batch", disable_by_batch, {}, {}),
-        # The same with the drafter's context deferred while drafting is off
-        # (VLLM_DDTREE_DEFER_CONTEXT=1): the budget-0 stretch buffers the context, the
-        # tail's first drafting step flushes it before drafting.
-        ("ddtree-deferred-context", disable_by_batch, {}, {"VLLM_DDTREE_DEFER_CONTEXT": "1"}),
+        # ... or each budget-0 step stores it (VLLM_DDTREE_DEFER_CONTEXT=0).
+        ("ddtree-stored-context", disable_by_batch, {}, {"VLLM_DDTREE_DEFER_CONTEXT": "0"}),
         ("dflash-chain", dict(num_speculative_tokens=15), {}, {}),
     ]
     for name, spec_extra, engine_kw, env in variants:

@@ -120,8 +120,10 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 "eagerctx": ("VLLM_DDTREE_CONTEXT_GRAPHS", "0"),
                 # trees verified on FlashAttention (context call + tree kernel, opt-in)
                 "flashtree": ("VLLM_DDTREE_TREE_ATTENTION", "flash"),
-                # the drafter's context buffered while drafting is off (opt-in)
+                # the drafter's context buffered while drafting is off (the default) ...
                 "defer": ("VLLM_DDTREE_DEFER_CONTEXT", "1"),
+                # ... or stored every step
+                "storectx": ("VLLM_DDTREE_DEFER_CONTEXT", "0"),
                 # the unfused (torch) tree kernels instead of the fused Triton ones
                 "unfused": ("VLLM_DDTREE_FUSED_KERNELS", "0")}
 

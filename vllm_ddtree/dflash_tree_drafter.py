@@ -73,7 +73,7 @@ logger = init_logger("vllm.ddtree.speculator")
 
 class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
-    # VLLM_DDTREE_DEFER_CONTEXT=1: budget-0 decode steps buffer the drafter's context
+    # VLLM_DDTREE_DEFER_CONTEXT (on by default): budget-0 decode steps buffer the drafter's context
     # instead of storing it (vllm_ddtree.deferred_context); the buffer is allocated with
     # the drafter (load_model), before vLLM measures memory. None: stored every step.
     _deferred: DeferredContext | None = None
@@ -196,9 +196,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         if env.defer_context_enabled():
             width = self._aux_width()
             if width is None:
-                raise ValueError(
-                    "VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter that takes the target's "
-                    "auxiliary hidden states through fc (a DFlash drafter); this one does not")
+                if env.defer_context_requested():
+                    raise ValueError(
+                        "VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter that takes the target's "
+                        "auxiliary hidden states through fc (a DFlash drafter); this one "
+                        "does not")
+                logger.info("DDTree: the drafter takes no auxiliary hidden states, so its "
+                            "context is stored every step while drafting is off")
+                return
             self._deferred = DeferredContext(max(256, 4 * self.max_num_reqs), width,
                                              self.dtype, self.device)
             logger.info("DDTree: the drafter's context is deferred while drafting is off "

@@ -37,10 +37,10 @@ CONTEXT_GRAPHS = Switch(
     "the drafter's context store replays CUDA graphs (vllm_ddtree.context_store_graphs); "
     "0 keeps it eager")
 DEFER_CONTEXT = Switch(
-    "VLLM_DDTREE_DEFER_CONTEXT", "flag", False,
+    "VLLM_DDTREE_DEFER_CONTEXT", "flag", True,
     "while drafting is off, the drafter's context is buffered and stored in one pass "
     "before drafting resumes, when the requests change or the buffer fills "
-    "(vllm_ddtree.deferred_context)")
+    "(vllm_ddtree.deferred_context); 0 stores it every step")
 DIRECT_LAUNCH = Switch(
     "VLLM_DDTREE_DIRECT_LAUNCH", "flag", True,
     "per-step kernels launch through their compiled launcher after Triton's first "
@@ -112,6 +112,13 @@ def context_graphs_enabled() -> bool:
 
 def defer_context_enabled() -> bool:
     return _flag(DEFER_CONTEXT)
+
+
+def defer_context_requested() -> bool:
+    """True when the deferral is asked for by name (set on), not only by default: a
+    drafter that cannot defer is then an error instead of a quiet fallback."""
+    raw = os.environ.get(DEFER_CONTEXT.name)
+    return raw is not None and bool(raw.strip()) and _flag(DEFER_CONTEXT)
 
 
 def direct_launch_enabled() -> bool:
