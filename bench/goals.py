@@ -14,6 +14,13 @@ Also writes a markdown table (``--table``) with the ratios the goal is stated in
 / the better of plain decoding and the chain (goal >= 0.97 everywhere), DDTree / plain
 decoding, and DDTree / plain decoding within each file.
 
+Files from ``bench/run.py --interleave`` (engines alive together, each cell's repeat i
+run once on every engine in turn) also give **paired** ratios: repeat i of DDTree over
+repeat i of the other engines (the better of the two where both ran), measured seconds
+apart, so a drift of the host over the call cancels. A cell whose files are all
+interleaved is judged on the median of its paired ratios (``goal_basis: "paired"``),
+any other on the ratio of pooled medians (``"pooled"``).
+
     python3 bench/goals.py --held-out sharegpt-untrained --out bench/results/goals.json \\
         --table bench/results/<dir>/goals.md <round 1 json> <round 2 json>
 """
@@ -70,6 +77,7 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
         suite = doc.get("suite")
         mode = doc.get("cell_mode") or "waves"
         orders = engine_orders(doc, ddtree, dflash)
+        interleaved = bool(doc.get("interleave"))
         for r in doc.get("results") or []:
             if not r:
                 continue
@@ -78,6 +86,7 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
                 continue
             key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode)
             cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
+            cells[key].setdefault("_interleaved", {})[index] = interleaved
             slot = cells[key].setdefault(role, {"runs": [], "tau": [], "by_file": {},
                                                 "config": r["config"]})
             if slot["config"] != r["config"]:
@@ -99,13 +108,35 @@ def per_file_ratios(ddtree: dict, plain: dict) -> list[float]:
             for i, runs in sorted(plain["by_file"].items()) if i in ddtree["by_file"]]
 
 
+def paired_ratios(roles: dict, others: tuple[str, ...]) -> list[float]:
+    """Repeat i of DDTree over the best of ``others``' repeat i, in every interleaved
+    file that ran DDTree and all of ``others`` the same number of times."""
+    ratios = []
+    for index, interleaved in sorted(roles.get("_interleaved", {}).items()):
+        if not interleaved or "ddtree" not in roles:
+            continue
+        ddtree = roles["ddtree"]["by_file"].get(index)
+        base = [roles[r]["by_file"].get(index) for r in others if r in roles]
+        if not ddtree or len(base) != len(others) or any(
+                b is None or len(b) != len(ddtree) for b in base):
+            continue
+        ratios += [d / max(col) for d, col in zip(ddtree, zip(*base))]
+    return ratios
+
+
+def _paired(ratios: list[float]) -> dict:
+    med = statistics.median(ratios)
+    return {"median": round(med, 4), "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4), "pairs": len(ratios)}
+
+
 def summarise(cells: dict) -> list[dict]:
     out = []
     for (suite, prompt_set, batch, temp, mode), roles in sorted(cells.items()):
         tok_s, spread, tau, configs, repeats = {}, {}, {}, {}, {}
         orders = roles.get("_orders", set())
         for role, slot in roles.items():
-            if role == "_orders":
+            if role.startswith("_"):
                 continue
             med = statistics.median(slot["runs"])
             tok_s[role] = round(med, 2)
@@ -130,23 +161,39 @@ def summarise(cells: dict) -> list[dict]:
                                                                     roles["no-spec"])
             if "dflash" in tok_s:
                 cell["ddtree_vs_dflash"] = round(tok_s["ddtree"] / tok_s["dflash"], 4)
+            others = tuple(r for r in ("no-spec", "dflash") if r in tok_s)
+            paired = {}
+            for name, roles_of in (("ddtree_vs_no_spec_paired", ("no-spec",)),
+                                   ("ddtree_vs_dflash_paired", ("dflash",)),
+                                   ("ddtree_vs_best_other_paired", others)):
+                ratios = paired_ratios(roles, roles_of) if roles_of and all(
+                    r in tok_s for r in roles_of) else []
+                if ratios:
+                    paired[name] = cell[name] = _paired(ratios)
+            all_interleaved = all(roles.get("_interleaved", {}).values())
+            cell["goal_basis"] = "pooled"
+            if base and all_interleaved and "ddtree_vs_best_other_paired" in paired:
+                cell["goal_basis"] = "paired"
+                cell["goal_met"] = paired["ddtree_vs_best_other_paired"]["median"] >= GOAL_RATIO
         out.append(cell)
     return out
 
 
 def table(cells: list[dict]) -> str:
     lines = ["| suite | set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
-             "DDTree / plain | DDTree / plain by file | tau chain / DDTree | "
-             "spread plain / chain / DDTree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DDTree / plain | DDTree / plain by file | DDTree / best, paired (min-max, pairs) | "
+             "tau chain / DDTree | spread plain / chain / DDTree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
+        p = c.get("ddtree_vs_best_other_paired")
+        paired = f"{p['median']} ({p['min']}-{p['max']}, {p['pairs']})" if p else ""
         lines.append(
             f"| {c.get('suite', '')} | {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
             f"{' / '.join(f'{r:.2f}' for r in c.get('ddtree_vs_no_spec_by_file', []))} | "
-            f"{tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
+            f"{paired} | {tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
             f"{s.get('no-spec', '')} / {s.get('dflash', '')} / {s.get('ddtree', '')} |")
     return "\n".join(lines) + "\n"
 
@@ -179,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             f.write(table(cells))
     met = sum(1 for c in cells if c.get("goal_met"))
     alternated = sum(1 for c in cells if c.get("goal_met") and c["both_orders"])
+    paired = sum(1 for c in cells if c.get("goal_basis") == "paired")
     print(f"{len(cells)} cells, goal met in {met} ({alternated} of them with DDTree's "
-          "engine started both first and last)", flush=True)
+          f"engine started both first and last; {paired} cells judged on paired runs)",
+          flush=True)
     return 0
 
 

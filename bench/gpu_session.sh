@@ -207,7 +207,11 @@ case "$step" in
     # GOALS_ENGINE_ROUNDS=2 runs the engines in both orders within the call (the engine
     # started first ran slow in both orders so far: e.g. GOALS_CONFIGS="no-spec
     # ddtree-b64-t512" GOALS_TEMPERATURES=1 GOALS_ENGINE_ROUNDS=2 fits one call).
+    # GOALS_INTERLEAVE=1: every engine alive at once, each cell's repeats taken in turns
+    # (bench/run.py --interleave; bench/goals.py then judges on paired runs).
     prepare
+    inter=()
+    [ "${GOALS_INTERLEAVE:-0}" = 1 ] && inter=(--interleave)
     read -r -a configs <<< "${GOALS_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
     read -r -a temps <<< "${GOALS_TEMPERATURES:-0 1}"
     read -r -a sizes <<< "${GOALS_BATCH_SIZES:-1 4 16 64}"
@@ -221,7 +225,7 @@ case "$step" in
       --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
       --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
       --engine-rounds "${GOALS_ENGINE_ROUNDS:-1}" \
-      --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" \
+      --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" "${inter[@]}" \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
   serve)
@@ -243,6 +247,8 @@ case "$step" in
     # COST_REPEATS, COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
     cost_profile=(--profile-dir "$OUT")
     [ "${COST_PROFILE:-1}" = 0 ] && cost_profile=()
+    # COST_INTERLEAVE=1: the engines alive at once, repeats in turns (bench/run.py --interleave).
+    [ "${COST_INTERLEAVE:-0}" = 1 ] && cost_profile+=(--interleave)
     # shellcheck disable=SC2086  # lists of words
     timeout "${COST_TIMEOUT_S:-500}" python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" \
       "${cost_profile[@]}" \

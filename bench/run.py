@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -289,6 +290,9 @@ def requests_for(batch: int, min_requests: int, min_waves: int = 1) -> int:
 
 # Generations of requests in the untimed steady cell that warms each batch size up.
 STEADY_WARMUP_WAVES = 2
+# The share of GPU memory the engines of an interleaved round (--interleave) take in
+# all, split evenly unless --gpu-memory-utilization is given.
+INTERLEAVED_MEMORY = 0.9
 
 
 def cycled(prompts: list, n: int) -> list:
@@ -1107,11 +1111,22 @@ class Recorder:
         os.replace(tmp, self.path)
 
 
-def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig,
-                   rnd: int, prompt_sets: dict, rec: Recorder, cells: dict,
-                   reference: dict, exact: bool) -> None:
-    """One engine of ``cfg`` (engine round ``rnd``): warm-up, then every cell
-    ``args.repeats`` times; each cell's row in ``rec`` merges every engine so far."""
+@dataclass
+class EngineRun:
+    """One started engine of a run: its LLM, its row in ``engines`` and the files its
+    engine core writes (the online controller's report, the step profile)."""
+    cfg: BenchConfig
+    llm: Any
+    eng: dict
+    t_start: float
+    budget_report: str | None = None
+    profile: str | None = None
+
+
+def start_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig,
+                 rnd: int, prompt_sets: dict, rec: Recorder) -> EngineRun | None:
+    """Start one engine of ``cfg`` (engine round ``rnd``) and warm it up at every batch
+    size and temperature; None (recorded in ``engines``) when it fails to start."""
     t_engine = time.time()
     report = None
     if cfg.tokens_per_step == "auto":
@@ -1133,7 +1148,7 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
         rec.doc["engines"].append({"config": cfg.name, "round": rnd, "error": repr(exc)[:2000]})
         rec.save()
         print(f"engine {cfg.name} failed: {exc!r}", flush=True)
-        return
+        return None
     sched = llm.llm_engine.vllm_config.scheduler_config
     compilation = getattr(llm.llm_engine.vllm_config, "compilation_config", None)
     eng = {"config": cfg.name, "round": rnd, "startup_s": round(time.time() - t_engine, 1),
@@ -1154,7 +1169,6 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
     # first use of a shape compiles kernel variants (vLLM's and ours) and
     # allocates; the 2026-11-29 mp run, warmed at batch 2 only, shows such stalls
     # as a few slow cells (e.g. DDTree batch 4 HumanEval T=0: 1.02 s vs 0.65 s).
-    cell_runner = run_cell_steady if args.cell_mode == "steady" else run_cell
     first = next(iter(prompt_sets.values()))
     for temp in sorted(set(suite.temperatures)):
         for batch in suite.batch_sizes:
@@ -1168,49 +1182,116 @@ def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConf
                 run_cell_steady(llm, cycled(first, STEADY_WARMUP_WAVES * batch), batch,
                                 temp, max(8, suite.max_tokens // 2), suite.dummy,
                                 args.output_lengths)
-    for set_name, prompts in prompt_sets.items():
-        for temp in suite.temperatures:
-            for batch in suite.batch_sizes:
-                reqs = cycled(prompts, requests_for(batch, suite.min_requests, args.min_waves))
-                runs = [timed_on_this_host(cell_runner, llm, reqs, batch, temp,
-                                           suite.max_tokens, suite.dummy, args.output_lengths)
-                        for _ in range(args.repeats)]
-                outs = runs[0][0]  # the repeats generate the same tokens
-                key = (set_name, batch, temp)
-                greedy = None
-                if temp == 0.0:
-                    if cfg.method is None and key not in reference:
-                        # The first plain engine is the reference; a later one (another
-                        # graph mode or backend) is compared with it like the others.
-                        reference[key] = outs
-                    elif key in reference and not suite.dummy:
-                        greedy = greedy_fields(outs, reference[key], exact)
-                cell = cells.get((cfg.name, *key))
-                if cell is None:
-                    cell = cells[(cfg.name, *key)] = CellRuns(row=len(rec.doc["results"]))
-                    rec.doc["results"].append(None)
-                cell.add_engine([r[1] for r in runs], [r[2] for r in runs], greedy)
-                entry = cell.entry(cfg.name, cfg.method, set_name, batch, temp)
-                rec.doc["results"][cell.row] = entry
-                rec.save()
-                print(json.dumps({k: entry.get(k) for k in (
-                    "config", "prompt_set", "batch_size", "temperature", "tau",
-                    "output_tokens_per_s", "full_concurrency_tokens_per_s",
-                    "time_per_output_token_ms", "ttft_p50_s",
-                    "greedy_match", "greedy_identical")}
-                    | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
-                    | ({"round": rnd} if args.engine_rounds > 1 else {})),
-                    flush=True)
-    eng["engine_s"] = round(time.time() - t_engine, 1)
-    if budget_report and os.path.exists(budget_report):
-        with open(budget_report) as f:
+    return EngineRun(cfg, llm, eng, t_engine, budget_report, profile)
+
+
+def timed_run(args, suite: Suite, run: EngineRun, prompts: list, batch: int,
+              temperature: float):
+    """One timed run of a cell on ``run``'s engine: (outputs, summary, counters)."""
+    cell_runner = run_cell_steady if args.cell_mode == "steady" else run_cell
+    reqs = cycled(prompts, requests_for(batch, suite.min_requests, args.min_waves))
+    return timed_on_this_host(cell_runner, run.llm, reqs, batch, temperature,
+                              suite.max_tokens, suite.dummy, args.output_lengths)
+
+
+def record_cell(args, suite: Suite, run: EngineRun, rnd: int, key: tuple, runs: list,
+                rec: Recorder, cells: dict, reference: dict, exact: bool) -> None:
+    """A cell's runs on one engine into its row (which merges every engine so far)."""
+    set_name, batch, temp = key
+    cfg = run.cfg
+    outs = runs[0][0]  # the repeats generate the same tokens
+    greedy = None
+    if temp == 0.0:
+        if cfg.method is None and key not in reference:
+            # The first plain engine is the reference; a later one (another
+            # graph mode or backend) is compared with it like the others.
+            reference[key] = outs
+        elif key in reference and not suite.dummy:
+            greedy = greedy_fields(outs, reference[key], exact)
+    cell = cells.get((cfg.name, *key))
+    if cell is None:
+        cell = cells[(cfg.name, *key)] = CellRuns(row=len(rec.doc["results"]))
+        rec.doc["results"].append(None)
+    cell.add_engine([r[1] for r in runs], [r[2] for r in runs], greedy)
+    entry = cell.entry(cfg.name, cfg.method, set_name, batch, temp)
+    if args.interleave:
+        # The engines took turns run by run (--interleave): run i of every engine's
+        # row was measured in the same turn.
+        entry["interleaved"] = True
+    rec.doc["results"][cell.row] = entry
+    rec.save()
+    print(json.dumps({k: entry.get(k) for k in (
+        "config", "prompt_set", "batch_size", "temperature", "tau",
+        "output_tokens_per_s", "full_concurrency_tokens_per_s",
+        "time_per_output_token_ms", "ttft_p50_s",
+        "greedy_match", "greedy_identical")}
+        | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
+        | ({"round": rnd} if args.engine_rounds > 1 else {})),
+        flush=True)
+
+
+def finish_engine(run: EngineRun, rec: Recorder) -> None:
+    """The engine's row (with what its engine core reported) into ``engines``; frees it."""
+    eng = run.eng
+    eng["engine_s"] = round(time.time() - run.t_start, 1)
+    if run.budget_report and os.path.exists(run.budget_report):
+        with open(run.budget_report) as f:
             eng["online_budget"] = json.load(f)
-    if profile and os.path.exists(profile):
-        with open(profile) as f:
+    if run.profile and os.path.exists(run.profile):
+        with open(run.profile) as f:
             eng["step_profile"] = json.load(f)
     rec.doc["engines"].append(eng)
     rec.save()
-    _free(llm)
+    _free(run.llm)
+
+
+def cell_keys(suite: Suite, prompt_sets: dict) -> list[tuple]:
+    """Every cell of a run, in the order it is measured: (prompt set, batch, T)."""
+    return [(set_name, batch, temp) for set_name in prompt_sets
+            for temp in suite.temperatures for batch in suite.batch_sizes]
+
+
+def measure_engine(args, suite: Suite, target: str, drafter: str, cfg: BenchConfig,
+                   rnd: int, prompt_sets: dict, rec: Recorder, cells: dict,
+                   reference: dict, exact: bool) -> None:
+    """One engine of ``cfg`` (engine round ``rnd``): warm-up, then every cell
+    ``args.repeats`` times; each cell's row in ``rec`` merges every engine so far."""
+    run = start_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec)
+    if run is None:
+        return
+    for key in cell_keys(suite, prompt_sets):
+        set_name, batch, temp = key
+        runs = [timed_run(args, suite, run, prompt_sets[set_name], batch, temp)
+                for _ in range(args.repeats)]
+        record_cell(args, suite, run, rnd, key, runs, rec, cells, reference, exact)
+    finish_engine(run, rec)
+
+
+def measure_interleaved(args, suite: Suite, target: str, drafter: str, configs: list,
+                        rnd: int, prompt_sets: dict, rec: Recorder, cells: dict,
+                        reference: dict, exact: bool) -> None:
+    """Every engine of the round started and warmed up first (in ``configs``' order),
+    then each cell's repeats taken in turns: repeat i runs the cell once on every
+    engine, in the order of ``round_order(started, i)`` (A B, B A, ...). A drift of the
+    host within the call then weighs on every engine alike, and run i of two engines
+    is a pair measured seconds apart (``bench/goals.py``: paired ratios)."""
+    started = []
+    for cfg in configs:
+        run = start_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec)
+        if run is not None:
+            started.append(run)
+    for key in cell_keys(suite, prompt_sets):
+        set_name, batch, temp = key
+        runs: dict[int, list] = {id(r): [] for r in started}
+        for i in range(args.repeats):
+            for run in round_order(started, i):
+                runs[id(run)].append(timed_run(args, suite, run, prompt_sets[set_name],
+                                               batch, temp))
+        for run in started:
+            record_cell(args, suite, run, rnd, key, runs[id(run)], rec, cells, reference,
+                        exact)
+    for run in started:
+        finish_engine(run, rec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1236,6 +1317,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="start every configuration's engine this many times, in "
                          "alternating order (A B, B A, ...); a cell's tokens/s is the median "
                          "over all its runs, each engine's median and their spread are kept")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep every engine of a round alive (each with its share of GPU "
+                         "memory) and take each cell's repeats in turns, A B then B A, "
+                         "instead of one engine after another: run i of every engine is "
+                         "measured within seconds of the others' (paired ratios)")
     ap.add_argument("--dtype")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (correctness runs)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -1298,6 +1384,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gpu_memory_utilization is None:
         args.gpu_memory_utilization = 0.4 if suite.dummy else 0.2
+        if args.interleave:
+            # All engines of a round share the GPU.
+            args.gpu_memory_utilization = min(args.gpu_memory_utilization,
+                                              round(INTERLEAVED_MEMORY / len(configs), 3))
+    elif args.interleave and args.gpu_memory_utilization * len(configs) > INTERLEAVED_MEMORY:
+        raise SystemExit(f"--interleave keeps {len(configs)} engines alive: "
+                         f"--gpu-memory-utilization {args.gpu_memory_utilization} each is more "
+                         f"than {INTERLEAVED_MEMORY} of the GPU in all")
     t_start = time.time()
     if suite.dummy:
         target, drafter = make_8b_models(tempfile.mkdtemp())
@@ -1333,7 +1427,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter_digest=None if suite.dummy else weights_digest(drafter), dtype=suite.dtype,
         cuda_graphs=not args.eager, max_tokens=suite.max_tokens,
         engine_process=args.engine_process, batch_invariant=args.batch_invariant,
-        cell_mode=args.cell_mode, min_waves=args.min_waves,
+        cell_mode=args.cell_mode, min_waves=args.min_waves, interleave=args.interleave,
         output_lengths=args.output_lengths, greedy_exact=greedy_exact(suite.dtype, args.eager),
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         host=host_info(),
@@ -1343,6 +1437,19 @@ def main(argv: list[str] | None = None) -> int:
     exact = rec.doc["greedy_exact"]
     cells: dict[tuple, CellRuns] = {}
     for rnd in range(args.engine_rounds):
+        if args.interleave:
+            elapsed = time.time() - t_start
+            estimate = args.engine_estimate_s * len(configs)
+            if args.time_budget_s and elapsed + estimate > args.time_budget_s:
+                for cfg in configs:
+                    rec.doc["skipped"].append({"config": cfg.name, "round": rnd,
+                                               "reason": f"time budget ({elapsed:.0f}s used)"})
+                rec.save()
+                print(f"skip round {rnd}: time budget", flush=True)
+                continue
+            measure_interleaved(args, suite, target, drafter, round_order(configs, rnd), rnd,
+                                prompt_sets, rec, cells, reference, exact)
+            continue
         for cfg in round_order(configs, rnd):
             elapsed = time.time() - t_start
             if args.time_budget_s and elapsed + args.engine_estimate_s > args.time_budget_s:

@@ -712,6 +712,88 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
     assert dflash["verified_tokens_per_forward_all_steps"] == round(1 + 120 / steps, 1)
 
 
+def test_interleave_keeps_every_engine_alive_and_takes_the_repeats_in_turns(tmp_path,
+                                                                              monkeypatch):
+    """--interleave: the engines of a round start (and warm up) first, then each cell's
+    repeat i runs once on every engine, A B then B A; each engine is freed once, after
+    the last cell, and its GPU memory share is split between the engines."""
+    import json
+    import types
+
+    import bench.run as run
+
+    events, alive = [], []
+
+    def fake_engine(args, suite, target, drafter, cfg):
+        events.append(("start", cfg.name))
+        llm = types.SimpleNamespace(name=cfg.name, llm_engine=types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(
+                scheduler_config=types.SimpleNamespace(async_scheduling=True))))
+        alive.append(llm)
+        return llm, None
+
+    def fake_free(llm):
+        events.append(("free", llm.name))
+        alive.remove(llm)
+
+    monkeypatch.setattr(run, "_engine", fake_engine)
+    monkeypatch.setattr(run, "_free", fake_free)
+    clock = {"t": 0.0}
+
+    def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
+        if max_tokens == 8:  # the warm-up
+            events.append(("warm", llm.name))
+        else:
+            events.append(("run", llm.name, batch))
+        # The host slows down over the call: every run takes longer than the one before,
+        # whichever engine runs it.
+        clock["t"] += 1.0
+        wall = clock["t"]
+        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
+                                   [wall] * len(prompts), [0.002] * len(prompts))
+        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+
+    monkeypatch.setattr(run, "run_cell", fake_run_cell)
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec", "dflash",
+                     "--batch-sizes", "1", "4", "--temperatures", "0", "--max-tokens", "4",
+                     "--repeats", "3", "--interleave"]) == 0
+    assert events[:4] == [("start", "no-spec"), ("warm", "no-spec"), ("warm", "no-spec"),
+                          ("start", "dflash")]
+    runs = [e[1:] for e in events if e[0] == "run"]
+    assert runs == [("no-spec", 1), ("dflash", 1), ("dflash", 1), ("no-spec", 1),
+                    ("no-spec", 1), ("dflash", 1),
+                    ("no-spec", 4), ("dflash", 4), ("dflash", 4), ("no-spec", 4),
+                    ("no-spec", 4), ("dflash", 4)]
+    assert events[-2:] == [("free", "no-spec"), ("free", "dflash")] and not alive
+    doc = json.loads(out.read_text())
+    assert doc["interleave"] is True
+    rows = {(r["config"], r["batch_size"]): r for r in doc["results"]}
+    assert all(r["interleaved"] and r["repeats"] == 3 for r in rows.values())
+    # Run i of the two engines took turns: their walls were 1 s apart, not 3 cells apart.
+    plain, chain = rows[("no-spec", 1)], rows[("dflash", 1)]
+    walls = [plain["output_tokens"] / t for t in plain["output_tokens_per_s_runs"]]
+    assert [round(w) for w in walls] == [5, 8, 9]
+    walls = [chain["output_tokens"] / t for t in chain["output_tokens_per_s_runs"]]
+    assert [round(w) for w in walls] == [6, 7, 10]
+
+
+def test_interleave_splits_the_gpu_and_refuses_more_than_fits(tmp_path, monkeypatch):
+    import bench.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "measure_interleaved",
+                        lambda args, *a, **k: seen.append(args.gpu_memory_utilization))
+    out = tmp_path / "r.json"
+    assert run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec", "dflash",
+                     "ddtree-b32", "--batch-sizes", "1", "--interleave"]) == 0
+    assert seen == [0.3]
+    with pytest.raises(SystemExit, match="--interleave keeps 3 engines alive"):
+        run.main(["--suite", "cost8b", "--out", str(out), "--configs", "no-spec", "dflash",
+                  "ddtree-b32", "--batch-sizes", "1", "--interleave",
+                  "--gpu-memory-utilization", "0.4"])
+
+
 def test_an_auto_engine_records_what_its_engine_core_measured(tmp_path, monkeypatch):
     """-tauto: the engine gets VLLM_DDTREE_COST_MODEL_REPORT, and the engine record
     keeps the report the engine core wrote there."""

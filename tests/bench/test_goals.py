@@ -99,3 +99,44 @@ def test_per_file_ratios_show_what_the_pooled_median_hides():
     assert cell["ddtree_vs_no_spec_by_file"] == [1.5, 0.75]
     assert cell["ddtree_vs_no_spec"] == round(135 / 130, 4)
     assert "| 1.50 / 0.75 |" in G.table([cell])
+
+
+def _interleaved(runs: dict[str, list[float]]) -> dict:
+    """A ``--interleave`` file: one batch-4 T=0 cell, repeat i of every engine taken in
+    the same turn."""
+    return {"suite": "fixture", "cell_mode": "steady", "interleave": True, "git_rev": "abc",
+            "engines": [{"config": c, "round": 0} for c in runs],
+            "results": [{"config": c, "prompt_set": "held", "batch_size": 4,
+                         "temperature": 0.0, "output_tokens_per_s": sorted(r)[len(r) // 2],
+                         "output_tokens_per_s_runs": r, "interleaved": True,
+                         "tau": None if c == "no-spec" else 1.5} for c, r in runs.items()]}
+
+
+def test_interleaved_files_judge_a_cell_on_paired_runs():
+    """The host slows down over the call and both engines with it: pooled medians make
+    DDTree look 0.95x, the pairs (each repeat against the other engines' same repeat,
+    the better of plain and chain) say 1.0x."""
+    doc = _interleaved({"no-spec": [100.0, 200.0, 300.0],
+                        "dflash-t512": [50.0, 100.0, 150.0],
+                        "ddtree-b64-t512": [100.0, 190.0, 330.0]})
+    [cell] = G.summarise(G.gather([doc]))
+    assert cell["ddtree_vs_best_other"] == 0.95
+    assert cell["ddtree_vs_best_other_paired"] == {"median": 1.0, "min": 0.95, "max": 1.1,
+                                                   "pairs": 3}
+    assert cell["ddtree_vs_no_spec_paired"]["median"] == 1.0
+    assert cell["ddtree_vs_dflash_paired"]["median"] == 2.0
+    assert cell["goal_basis"] == "paired" and cell["goal_met"]
+    assert "1.0 (0.95-1.1, 3)" in G.table([cell])
+
+
+def test_a_cell_with_a_file_run_one_engine_after_another_is_judged_pooled():
+    interleaved = _interleaved({"no-spec": [100.0, 200.0, 300.0],
+                                "ddtree-b64-t512": [100.0, 190.0, 330.0]})
+    sequential = _doc(["no-spec", "ddtree-b64-t512"],
+                      {"no-spec": [200.0], "ddtree-b64-t512": [150.0]})
+    sequential["cell_mode"] = "steady"
+    [cell] = G.summarise(G.gather([interleaved, sequential]))
+    # The pairs come from the interleaved file only; the goal from the pooled medians.
+    assert cell["ddtree_vs_no_spec_paired"]["pairs"] == 3
+    assert cell["goal_basis"] == "pooled"
+    assert cell["ddtree_vs_best_other"] == round(170 / 200, 4) and not cell["goal_met"]
