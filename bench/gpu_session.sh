@@ -220,12 +220,22 @@ case "$step" in
     # controller's first steps and probes dominated
     # (bench/results/2026-12-02-goals-steady-held-out-sharegpt/).
     waves=()
-    [ "${GOALS_MODE:-waves}" = steady ] && waves=(--min-waves "${GOALS_MIN_WAVES:-4}")
+    # Steady cells draw each request's length (0.5-1.5x, the same for every engine,
+    # GOALS_LENGTHS=varied): with one length for all, plain decoding's requests finish in
+    # the same step and their successors join together, a wave in disguise (8-10
+    # prefilling steps a batch-64 cell against DDTree's 109-153,
+    # bench/results/2026-12-03-goals-steady-held-out-sharegpt-deferred-context/).
+    lengths="${GOALS_LENGTHS:-fixed}"
+    if [ "${GOALS_MODE:-waves}" = steady ]; then
+      waves=(--min-waves "${GOALS_MIN_WAVES:-4}")
+      lengths="${GOALS_LENGTHS:-varied}"
+    fi
     fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" "${waves[@]}" \
       --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
       --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
       --engine-rounds "${GOALS_ENGINE_ROUNDS:-1}" \
       --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" "${inter[@]}" \
+      --output-lengths "$lengths" \
       --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 80
     ;;
   serve)
