@@ -1287,7 +1287,8 @@ def measure_interleaved(args, suite: Suite, target: str, drafter: str, configs: 
             for run in round_order(started, i):
                 runs[id(run)].append(timed_run(args, suite, run, prompt_sets[set_name],
                                                batch, temp))
-        for run in started:
+        # Plain decoding's rows first: its outputs are the greedy reference of the others.
+        for run in sorted(started, key=lambda r: r.cfg.method is not None):
             record_cell(args, suite, run, rnd, key, runs[id(run)], rec, cells, reference,
                         exact)
     for run in started:
