@@ -598,9 +598,7 @@ def test_main_measures_every_cell_repeats_times(tmp_path, monkeypatch):
     def fake_run_cell(llm, prompts, batch, temperature, max_tokens, dummy, lengths="fixed"):
         calls.append((len(prompts), batch, temperature, max_tokens))
         wall = 1.0 + 0.5 * (len(calls) % 2)
-        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
-                                   [wall] * len(prompts), [0.002] * len(prompts))
-        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+        return _fake_cell(prompts, max_tokens, wall)
 
     monkeypatch.setattr(run, "run_cell", fake_run_cell)
     out = tmp_path / "r.json"
@@ -655,6 +653,16 @@ def test_steady_cells_are_warmed_up_by_an_untimed_steady_cell(tmp_path, monkeypa
     assert [c["batch_size"] for c in json.loads(out.read_text())["results"]] == [2, 4]
 
 
+def _fake_cell(prompts, max_tokens: int, wall: float):
+    """What run_cell returns for a cell of ``prompts`` that took ``wall`` seconds, each
+    run 2 drafts of 30 tokens with 1 accepted."""
+    import bench.run as run
+
+    summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
+                               [wall] * len(prompts), [0.002] * len(prompts))
+    return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+
+
 def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monkeypatch):
     """--engine-rounds 2: each configuration's engine starts twice, in the order A B
     then B A; a cell is one row whose median runs over both engines (its repeats count
@@ -679,9 +687,7 @@ def test_engine_rounds_alternate_the_order_and_merge_every_engine(tmp_path, monk
         calls.append(engines[-1])
         # Each engine its own speed: the first engine of a config 1 s per cell, the second 2 s.
         wall = 1.0 if engines.count(engines[-1]) == 1 else 2.0
-        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
-                                   [wall] * len(prompts), [0.002] * len(prompts))
-        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+        return _fake_cell(prompts, max_tokens, wall)
 
     monkeypatch.setattr(run, "run_cell", fake_run_cell)
     out = tmp_path / "r.json"
@@ -749,9 +755,7 @@ def test_interleave_keeps_every_engine_alive_and_takes_the_repeats_in_turns(tmp_
         # whichever engine runs it.
         clock["t"] += 1.0
         wall = clock["t"]
-        summary = run.cell_summary([[1] * max_tokens for _ in prompts], wall,
-                                   [wall] * len(prompts), [0.002] * len(prompts))
-        return [[1] * max_tokens for _ in prompts], summary, run.SpecCounters(2, 30, 1, [1])
+        return _fake_cell(prompts, max_tokens, wall)
 
     monkeypatch.setattr(run, "run_cell", fake_run_cell)
     out = tmp_path / "r.json"
