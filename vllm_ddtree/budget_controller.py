@@ -399,6 +399,11 @@ class BudgetController:
         """The budget to verify at ``batch_size`` (a list lookup)."""
         return self._table[self.bucket_of(batch_size)]
 
+    @property
+    def steps(self) -> int:
+        """The steps observed so far."""
+        return self._step
+
     def choice_for(self, batch_size: int) -> int:
         """The budget chosen for ``batch_size``'s bucket: :meth:`budget_for` except
         while a probe verifies another budget for a few steps."""

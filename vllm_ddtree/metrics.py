@@ -5,7 +5,9 @@ The engine core's scheduler puts :meth:`vllm_ddtree.online_budget.OnlineBudget.m
 (a small dict, refreshed when the budget table changes and every
 ``METRICS_REFRESH_STEPS`` steps) into vLLM's ``SchedulerStats.ddtree_budget``; the
 front end's ``PrometheusStatLogger`` hands it to :class:`DDTreeBudgetProm`, which
-sets, per engine and batch-size bucket (``bucket="4-7"``: batch sizes 4 to 7):
+sets, per engine, sampling class (``sampling="greedy"``: steps whose requests are all
+greedy, ``"sampled"``: steps with a sampled request; each class has its own
+controller) and batch-size bucket (``bucket="4-7"``: batch sizes 4 to 7):
 
 ``vllm:ddtree_budget``
     the tree budget the controller chose (draft nodes per request; 0: no drafting).
@@ -45,24 +47,27 @@ class DDTreeBudgetProm:
             name="vllm:ddtree_budget",
             documentation="DDTree tree budget chosen by the online controller, per "
                           "batch-size bucket (draft nodes per request; 0: no drafting).",
-            multiprocess_mode="mostrecent", labelnames=labelnames + ["bucket"])
+            multiprocess_mode="mostrecent", labelnames=labelnames + ["sampling", "bucket"])
         self.expected = gauge_cls(
             name="vllm:ddtree_expected_tokens_per_step",
             documentation="Tokens per request per step the DDTree controller expects at "
                           "its chosen budget, per batch-size bucket.",
-            multiprocess_mode="mostrecent", labelnames=labelnames + ["bucket"])
+            multiprocess_mode="mostrecent", labelnames=labelnames + ["sampling", "bucket"])
         self.accepted = gauge_cls(
             name="vllm:ddtree_accepted_tokens_per_step",
             documentation="Accepted draft tokens per request per step measured at each "
                           "DDTree budget, per batch-size bucket (recent steps).",
-            multiprocess_mode="mostrecent", labelnames=labelnames + ["bucket", "budget"])
+            multiprocess_mode="mostrecent",
+            labelnames=labelnames + ["sampling", "bucket", "budget"])
 
     def observe(self, metrics: dict[str, Any], engine_idx: int = 0) -> None:
+        """``metrics``: :meth:`OnlineBudget.metrics`, :func:`budget_metrics` by class."""
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
-        for bucket, budget in metrics.get("budget", {}).items():
-            self.budget.labels(*labels, bucket).set(budget)
-        for bucket, tau in metrics.get("expected_tokens_per_step", {}).items():
-            self.expected.labels(*labels, bucket).set(tau)
-        for bucket, per_budget in metrics.get("accepted_measured", {}).items():
-            for budget, accepted in per_budget.items():
-                self.accepted.labels(*labels, bucket, str(budget)).set(accepted)
+        for sampling, m in metrics.get("sampling", {}).items():
+            for bucket, budget in m.get("budget", {}).items():
+                self.budget.labels(*labels, sampling, bucket).set(budget)
+            for bucket, tau in m.get("expected_tokens_per_step", {}).items():
+                self.expected.labels(*labels, sampling, bucket).set(tau)
+            for bucket, per_budget in m.get("accepted_measured", {}).items():
+                for budget, accepted in per_budget.items():
+                    self.accepted.labels(*labels, sampling, bucket, str(budget)).set(accepted)

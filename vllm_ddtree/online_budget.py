@@ -18,6 +18,17 @@ Patch ``core_ddtree-online-budget`` adds three calls into vLLM:
   the controller may choose (:func:`graph_budget_levels`), so a change of budget
   never leaves the graphs.
 
+**Two controllers, by sampling.** How often drafts are accepted depends on the
+requests' temperature far more than on anything else the scheduler knows (on the
+benchmark pair, held-out chat: tau 2.0-2.7 greedy, 1.3-1.5 at T=1), so one controller
+learns from the steps whose requests are all greedy and another from the steps with at
+least one sampled request (temperature > 0). The lookup the scheduler reads is the
+table of the class of the step last observed (the next step's batch is that one but
+for the requests that join or finish): a switch of traffic between greedy and sampled
+requests finds that class's measurements instead of learning again, and each class
+probes on its own steps. The set of live sampled requests is kept from each step's new
+and finished requests, so a step costs one set comparison.
+
 The worker does not recompute the budget: the scheduler's
 ``num_spec_tokens_to_schedule`` reaches it with each step
 (``DDTreeSpeculator.prepare_tree_verification``, ``TreeVerifier.prepare``), so with
@@ -67,6 +78,15 @@ METRICS_REFRESH_STEPS = 64
 FALLBACK_KNEE_TOKENS = 128
 # The drafter's share of a target forward when either model's layer count is unknown.
 FALLBACK_DRAFTER_SHARE = 0.25
+# The controllers' classes of steps: every request greedy, or at least one sampled.
+SAMPLING_CLASSES = ("greedy", "sampled")
+
+
+def is_sampled(sampling_params: Any) -> bool:
+    """A request vLLM samples (not greedy): its ``sampling_type`` is not GREEDY
+    (temperature 0, as vLLM decides it). Pooling requests (no sampling) count as greedy."""
+    kind = getattr(sampling_params, "sampling_type", None)
+    return kind is not None and getattr(kind, "name", str(kind)) != "GREEDY"
 
 
 def online_budget_on(spec_config: Any) -> bool:
@@ -140,13 +160,18 @@ class OnlineBudget:
             # A decode step larger than the largest CUDA graph runs without one.
             verified_cap = min(verified_cap, graphs) if verified_cap else graphs
         self.max_num_seqs = int(max_num_seqs)
-        self.controller = BudgetController(
-            self.max_budget, self.max_depth, startup_cost(vllm_config, forward_ms),
-            max_batch_size=self.max_num_seqs, levels=self.levels,
-            max_verified_tokens=verified_cap,
-            # The user's (or "auto"'s) schedule is a cap by batch size.
-            max_budget_by_batch=static_lookup,
-        )
+        cost = startup_cost(vllm_config, forward_ms)
+        self.controllers = {
+            c: BudgetController(
+                self.max_budget, self.max_depth, cost,
+                max_batch_size=self.max_num_seqs, levels=self.levels,
+                max_verified_tokens=verified_cap,
+                # The user's (or "auto"'s) schedule is a cap by batch size.
+                max_budget_by_batch=static_lookup,
+            ) for c in SAMPLING_CLASSES}
+        # The class whose table the lookup holds: that of the step last observed.
+        self.sampling_class = SAMPLING_CLASSES[0]
+        self._sampled_ids: set[str] = set()
         self.lookup: list[int] = self.controller.budget_table(self.max_num_seqs)
         self._clock = clock
         self._last_output_t: float | None = None
@@ -159,6 +184,25 @@ class OnlineBudget:
         logger.info("DDTree online budget: levels %s, start %s", self.levels,
                     table_ranges(self.lookup))
 
+    @property
+    def controller(self) -> BudgetController:
+        """The controller whose table the scheduler reads now (:attr:`sampling_class`)."""
+        return self.controllers[self.sampling_class]
+
+    def _step_class(self, scheduler_output: Any) -> str:
+        """The class of the step: keeps the set of live sampled requests from the step's
+        new and finished requests, then "sampled" if one of them is scheduled."""
+        sampled = self._sampled_ids
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished and sampled:
+            sampled.difference_update(finished)
+        for req in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            if is_sampled(getattr(req, "sampling_params", None)):
+                sampled.add(req.req_id)
+        if sampled and not sampled.isdisjoint(scheduler_output.num_scheduled_tokens):
+            return "sampled"
+        return "greedy"
+
     def _level(self, drafts: int) -> int:
         """The largest level at most ``drafts`` (a step whose requests were all cut
         short of the scheduled budget, e.g. near max_model_len)."""
@@ -169,6 +213,7 @@ class OnlineBudget:
         now = self._clock()
         last, self._last_output_t = self._last_output_t, now
         num_scheduled = scheduler_output.num_scheduled_tokens
+        step_class = self._step_class(scheduler_output)
         if not num_scheduled:
             self._last_output_t = None  # an empty step: the engine is idle
             return
@@ -231,7 +276,10 @@ class OnlineBudget:
             self._trace.append((stats.batch_size, budget, stats.drafted_budget, sampled_reqs,
                                 round(accepted_sum / sampled_reqs, 3) if sampled_reqs else None,
                                 round(step_ms, 4), prefill))
-        changed = self.controller.observe(stats)
+        changed = self.controllers[step_class].observe(stats)
+        if step_class != self.sampling_class:
+            self.sampling_class = step_class
+            changed = True
         if changed:
             self.lookup[:] = self.controller.budget_table(self.max_num_seqs)
             self._changed_since_log = True
@@ -240,21 +288,36 @@ class OnlineBudget:
         if self._changed_since_log and now - self._last_log_t >= LOG_INTERVAL_S:
             self._last_log_t = now
             self._changed_since_log = False
-            logger.info("%s", self.controller.log_line())
+            logger.info("%s", self.log_line())
             if self.report_path:
                 self.write_report(self.report_path)
 
+    def _active(self) -> list[tuple[str, BudgetController]]:
+        """The classes that have observed steps, with their controllers."""
+        return [(c, ctl) for c, ctl in self.controllers.items() if ctl.steps]
+
+    def log_line(self) -> str:
+        """Each class's :meth:`BudgetController.log_line`, the current one first."""
+        active = sorted(self._active(), key=lambda item: item[0] != self.sampling_class)
+        return "; ".join(f"{ctl.log_line()} [{c}]" for c, ctl in active) or \
+            self.controller.log_line()
+
     def metrics(self) -> dict:
-        """What ``/metrics`` shows (:mod:`vllm_ddtree.metrics`): the scheduler's stats
-        carry it every step, so it is cached between refreshes."""
+        """What ``/metrics`` shows (:mod:`vllm_ddtree.metrics`), per sampling class: the
+        scheduler's stats carry it every step, so it is cached between refreshes."""
         if self._metrics is None:
             from vllm_ddtree.metrics import budget_metrics
 
-            self._metrics = budget_metrics(self.controller.state())
+            self._metrics = {"sampling": {c: budget_metrics(ctl.state())
+                                          for c, ctl in self._active()}}
         return self._metrics
 
     def state(self) -> dict:
+        """The current class's controller state (:meth:`BudgetController.state`), the
+        scheduler's table, and every class's state under ``by_sampling``."""
         state = self.controller.state()
+        state["sampling_class"] = self.sampling_class
+        state["by_sampling"] = {c: ctl.state() for c, ctl in self._active()}
         state["steps_observed"] = self.steps_observed
         state["budget_by_batch"] = table_ranges(self.lookup)
         if self._trace is not None:

@@ -79,16 +79,29 @@ class Serving:
     """The scheduler with the test as its GPU: ``quality`` is the chance that each
     next draft token along the path is accepted."""
 
-    def __init__(self, scheduler: AsyncScheduler, num_requests: int, seed: int = 0) -> None:
+    def __init__(self, scheduler: AsyncScheduler, num_requests: int, seed: int = 0,
+                 temperature: float = 1.0) -> None:
         self.s = scheduler
         self.clock = Clock()
         self.s.ddtree_budget._clock = self.clock
         self.rng = random.Random(seed)
-        for i in range(num_requests):
-            self.s.add_request(Request(f"r{i}", list(range(10, 42)),
-                                       SamplingParams(max_tokens=100_000, ignore_eos=True),
-                                       None))
+        self.req_ids: list[str] = []
+        self.add(num_requests, temperature)
         self.scheduled: list[int] = []  # num_spec_tokens_to_schedule per step
+
+    def add(self, num_requests: int, temperature: float) -> None:
+        """``num_requests`` more requests (SamplingParams' default T=1: sampled)."""
+        start = len(self.req_ids)
+        for i in range(start, start + num_requests):
+            self.req_ids.append(f"r{i}")
+            self.s.add_request(Request(f"r{i}", list(range(10, 42)),
+                                       SamplingParams(max_tokens=100_000, ignore_eos=True,
+                                                      temperature=temperature), None))
+
+    def abort_all(self) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.s.finish_requests(self.req_ids, RequestStatus.FINISHED_ABORTED)
 
     def run(self, steps: int, quality: float) -> list[int]:
         verified = []
@@ -152,6 +165,40 @@ def test_the_scheduler_drafts_when_drafts_are_accepted_and_comes_back(models, h2
     state = s.ddtree_budget.state()
     assert state["steps_observed"] == 3600
     assert "4-7" in state["buckets"]
+
+
+def test_greedy_and_sampled_steps_each_have_their_controller(models, h200):
+    """Greedy requests whose drafts are accepted, then sampled requests whose drafts
+    are not, then greedy ones again: the sampled steps turn drafting off in their own
+    controller, and when greedy requests come back the scheduler drafts again at once,
+    from the greedy controller's measurements, without probing its way back."""
+    s = _scheduler(_config(models))
+    ob = s.ddtree_budget
+    serving = Serving(s, 4, seed=5, temperature=0.0)
+    serving.run(800, quality=0.9)
+    assert ob.sampling_class == "greedy"
+    greedy_choice = ob.controllers["greedy"].choice_for(4)
+    assert greedy_choice > 0 and ob.controllers["sampled"].steps == 0
+    serving.abort_all()
+    serving.add(4, temperature=1.0)
+    verified = serving.run(800, quality=0.0)
+    assert ob.sampling_class == "sampled" and ob.controllers["sampled"].choice_for(4) == 0
+    assert sum(1 for v in verified[-200:] if v) / 200 < 0.1
+    # The sampled steps left the greedy controller's table as it was.
+    assert ob.controllers["greedy"].choice_for(4) == greedy_choice
+    serving.abort_all()
+    serving.add(4, temperature=0.0)
+    verified = serving.run(20, quality=0.9)
+    # The first step prefills the new requests; every decode step after it drafts.
+    assert ob.sampling_class == "greedy" and all(v > 0 for v in verified[2:]), verified
+    state = ob.state()
+    assert state["sampling_class"] == "greedy"
+    assert set(state["by_sampling"]) == {"greedy", "sampled"}
+    assert "[greedy]" in ob.log_line() and "[sampled]" in ob.log_line()
+    # A step mixing both kinds of requests is a sampled step.
+    serving.add(1, temperature=1.0)
+    serving.run(5, quality=0.9)
+    assert ob.sampling_class == "sampled"
 
 
 def test_a_user_schedule_caps_the_controller(models, h200):
@@ -274,12 +321,15 @@ def test_the_budget_reaches_vllms_prometheus_metrics(models, h200):
     s = _scheduler(cfg, log_stats=True)
     Serving(s, 4, seed=3).run(300, quality=0.0)
     stats = s.make_stats()
-    assert stats.ddtree_budget["budget"]["4-7"] == s.dynamic_sd_lookup[4]
+    # Serving's requests are sampled (T=1): the sampled class's controller.
+    assert list(stats.ddtree_budget["sampling"]) == ["sampled"]
+    assert stats.ddtree_budget["sampling"]["sampled"]["budget"]["4-7"] == s.dynamic_sd_lookup[4]
     logger = PrometheusStatLogger(cfg)
     logger.record(stats, None)
     text = prometheus_client.generate_latest().decode()
     budget = [line for line in text.splitlines()
-              if line.startswith("vllm:ddtree_budget{") and 'bucket="4-7"' in line]
+              if line.startswith("vllm:ddtree_budget{") and 'bucket="4-7"' in line
+              and 'sampling="sampled"' in line]
     assert len(budget) == 1 and budget[0].endswith(f" {float(s.dynamic_sd_lookup[4])}")
     assert 'vllm:ddtree_accepted_tokens_per_step{' in text
     assert 'vllm:ddtree_expected_tokens_per_step{' in text
@@ -296,8 +346,11 @@ def test_the_summary_survives_the_engine_core_to_front_end_message():
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    summary = {"budget": {"1-1": 32, "4-7": 0}, "expected_tokens_per_step": {"1-1": 1.8},
-               "accepted_measured": {"1-1": {"4": 0.21, "32": 0.8}}}
+    summary = {"sampling": {
+        "greedy": {"budget": {"1-1": 32, "4-7": 0}, "expected_tokens_per_step": {"1-1": 1.8},
+                   "accepted_measured": {"1-1": {"4": 0.21, "32": 0.8}}},
+        "sampled": {"budget": {"1-1": 0}, "expected_tokens_per_step": {"1-1": 1.0},
+                    "accepted_measured": {"1-1": {"4": 0.05}}}}}
     out = EngineCoreOutputs(scheduler_stats=SchedulerStats(ddtree_budget=summary))
     frames = MsgpackEncoder().encode(out)
     back = MsgpackDecoder(EngineCoreOutputs).decode(frames)
