@@ -162,19 +162,18 @@ def summarise(cells: dict) -> list[dict]:
             if "dflash" in tok_s:
                 cell["ddtree_vs_dflash"] = round(tok_s["ddtree"] / tok_s["dflash"], 4)
             others = tuple(r for r in ("no-spec", "dflash") if r in tok_s)
-            paired = {}
             for name, roles_of in (("ddtree_vs_no_spec_paired", ("no-spec",)),
                                    ("ddtree_vs_dflash_paired", ("dflash",)),
                                    ("ddtree_vs_best_other_paired", others)):
-                ratios = paired_ratios(roles, roles_of) if roles_of and all(
-                    r in tok_s for r in roles_of) else []
+                # A role the cell lacks, or no others at all, leaves no pairs.
+                ratios = paired_ratios(roles, roles_of)
                 if ratios:
-                    paired[name] = cell[name] = _paired(ratios)
-            all_interleaved = all(roles.get("_interleaved", {}).values())
+                    cell[name] = _paired(ratios)
+            best = cell.get("ddtree_vs_best_other_paired")
             cell["goal_basis"] = "pooled"
-            if base and all_interleaved and "ddtree_vs_best_other_paired" in paired:
+            if best and all(roles["_interleaved"].values()):
                 cell["goal_basis"] = "paired"
-                cell["goal_met"] = paired["ddtree_vs_best_other_paired"]["median"] >= GOAL_RATIO
+                cell["goal_met"] = best["median"] >= GOAL_RATIO
         out.append(cell)
     return out
 

@@ -1280,16 +1280,17 @@ def measure_interleaved(args, suite: Suite, target: str, drafter: str, configs: 
         run = start_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec)
         if run is not None:
             started.append(run)
+    engines = range(len(started))
     for key in cell_keys(suite, prompt_sets):
         set_name, batch, temp = key
-        runs: dict[int, list] = {id(r): [] for r in started}
+        runs: list[list] = [[] for _ in started]
         for i in range(args.repeats):
-            for run in round_order(started, i):
-                runs[id(run)].append(timed_run(args, suite, run, prompt_sets[set_name],
-                                               batch, temp))
+            for j in round_order(engines, i):
+                runs[j].append(timed_run(args, suite, started[j], prompt_sets[set_name],
+                                         batch, temp))
         # Plain decoding's rows first: its outputs are the greedy reference of the others.
-        for run in sorted(started, key=lambda r: r.cfg.method is not None):
-            record_cell(args, suite, run, rnd, key, runs[id(run)], rec, cells, reference,
+        for j in sorted(engines, key=lambda j: started[j].cfg.method is not None):
+            record_cell(args, suite, started[j], rnd, key, runs[j], rec, cells, reference,
                         exact)
     for run in started:
         finish_engine(run, rec)
@@ -1437,30 +1438,30 @@ def main(argv: list[str] | None = None) -> int:
     reference: dict[tuple, list[list[int]]] = {}
     exact = rec.doc["greedy_exact"]
     cells: dict[tuple, CellRuns] = {}
+    def out_of_time(cfgs: list, rnd: int) -> bool:
+        """Whether ``cfgs``' engines would run past the time budget: then each is
+        recorded as skipped."""
+        elapsed = time.time() - t_start
+        if not args.time_budget_s or \
+                elapsed + args.engine_estimate_s * len(cfgs) <= args.time_budget_s:
+            return False
+        for cfg in cfgs:
+            rec.doc["skipped"].append({"config": cfg.name, "round": rnd,
+                                       "reason": f"time budget ({elapsed:.0f}s used)"})
+            print(f"skip {cfg.name} (round {rnd}): time budget", flush=True)
+        rec.save()
+        return True
+
     for rnd in range(args.engine_rounds):
         if args.interleave:
-            elapsed = time.time() - t_start
-            estimate = args.engine_estimate_s * len(configs)
-            if args.time_budget_s and elapsed + estimate > args.time_budget_s:
-                for cfg in configs:
-                    rec.doc["skipped"].append({"config": cfg.name, "round": rnd,
-                                               "reason": f"time budget ({elapsed:.0f}s used)"})
-                rec.save()
-                print(f"skip round {rnd}: time budget", flush=True)
-                continue
-            measure_interleaved(args, suite, target, drafter, round_order(configs, rnd), rnd,
-                                prompt_sets, rec, cells, reference, exact)
+            if not out_of_time(configs, rnd):
+                measure_interleaved(args, suite, target, drafter, round_order(configs, rnd),
+                                    rnd, prompt_sets, rec, cells, reference, exact)
             continue
         for cfg in round_order(configs, rnd):
-            elapsed = time.time() - t_start
-            if args.time_budget_s and elapsed + args.engine_estimate_s > args.time_budget_s:
-                rec.doc["skipped"].append({"config": cfg.name, "round": rnd,
-                                           "reason": f"time budget ({elapsed:.0f}s used)"})
-                rec.save()
-                print(f"skip {cfg.name} (round {rnd}): time budget", flush=True)
-                continue
-            measure_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec,
-                           cells, reference, exact)
+            if not out_of_time([cfg], rnd):
+                measure_engine(args, suite, target, drafter, cfg, rnd, prompt_sets, rec,
+                               cells, reference, exact)
     rec.doc["wall_s"] = round(time.time() - t_start, 1)
     if suite.dummy:
         rec.doc["cost_model"] = cost_model(rec.doc["results"])

@@ -315,9 +315,10 @@ class OnlineBudget:
     def state(self) -> dict:
         """The current class's controller state (:meth:`BudgetController.state`), the
         scheduler's table, and every class's state under ``by_sampling``."""
-        state = self.controller.state()
+        by_sampling = {c: ctl.state() for c, ctl in self._active()}
+        state = dict(by_sampling.get(self.sampling_class) or self.controller.state())
         state["sampling_class"] = self.sampling_class
-        state["by_sampling"] = {c: ctl.state() for c, ctl in self._active()}
+        state["by_sampling"] = by_sampling
         state["steps_observed"] = self.steps_observed
         state["budget_by_batch"] = table_ranges(self.lookup)
         if self._trace is not None:
