@@ -254,7 +254,8 @@ case "$step" in
       > "$OUT/gpu-cost-model-timer-tests.log" 2>&1
     echo "cost-model timer tests rc=$?"; tail -2 "$OUT/gpu-cost-model-timer-tests.log"
     # COST_PROFILE=0: no step profile (its events cost DDTree host time; goal runs);
-    # COST_REPEATS, COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
+    # COST_REPEATS (3: one repeat a cell is one 64-step wave, in which the controller
+    # is still learning), COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
     cost_profile=(--profile-dir "$OUT")
     [ "${COST_PROFILE:-1}" = 0 ] && cost_profile=()
     # COST_INTERLEAVE=1: the engines alive at once, repeats in turns (bench/run.py --interleave).
@@ -262,7 +263,7 @@ case "$step" in
     # shellcheck disable=SC2086  # lists of words
     timeout "${COST_TIMEOUT_S:-500}" python3 bench/run.py --suite cost8b --out "$OUT/bench-cost8b.json" \
       "${cost_profile[@]}" \
-      ${COST_CONFIGS:+--configs $COST_CONFIGS} ${COST_REPEATS:+--repeats $COST_REPEATS} \
+      ${COST_CONFIGS:+--configs $COST_CONFIGS} --repeats "${COST_REPEATS:-3}" \
       ${COST_ENGINE_ROUNDS:+--engine-rounds $COST_ENGINE_ROUNDS} \
       ${COST_MAX_TOKENS:+--max-tokens $COST_MAX_TOKENS} \
       --time-budget-s "${BENCH_BUDGET_S:-440}" --engine-estimate-s "${COST_ENGINE_ESTIMATE_S:-120}" \

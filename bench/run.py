@@ -369,6 +369,40 @@ def all_steps_from_counts(batch: int, drafts: float, accepted: float, draft_toke
             "verified_tokens_per_forward_all_steps": round(batch * (1 + draft_tokens / steps), 1)}
 
 
+def engine_spec_counters(llm) -> SpecCounters:
+    """This engine's spec-decode counters, read from its own Prometheus stat logger.
+
+    vLLM keeps one Prometheus registry per process, and every engine's logger
+    unregisters the metrics already there when it starts (``unregister_vllm_metrics``),
+    so with several engines alive in one process (``--interleave``) ``LLM.get_metrics()``
+    reads the last-started engine's counters only: the others' cells got no tau and no
+    drafting share. Each logger still holds and counts its own; an engine without one
+    (no spec decoding, or a vLLM laid out otherwise) falls back to the registry."""
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    for logger in getattr(manager, "stat_loggers", None) or []:
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is None:
+            continue
+        if not getattr(prom, "spec_decoding_enabled", False):
+            return SpecCounters()
+        return SpecCounters(
+            int(sum(_child_value(c) for c in prom.counter_spec_decode_num_drafts.values())),
+            int(sum(_child_value(c)
+                    for c in prom.counter_spec_decode_num_draft_tokens.values())),
+            int(sum(_child_value(c)
+                    for c in prom.counter_spec_decode_num_accepted_tokens.values())),
+            [int(sum(vals)) for vals in zip(*(
+                [_child_value(c) for c in per_pos] for per_pos in
+                prom.counter_spec_decode_num_accepted_tokens_per_pos.values()))])
+    return spec_counters(llm.get_metrics())
+
+
+def _child_value(counter) -> float:
+    """A labelled Prometheus counter's value, from its own samples (registered or not)."""
+    return sum(s.value for metric in counter.collect() for s in metric.samples
+               if s.name.endswith("_total"))
+
+
 def spec_counters(metrics) -> SpecCounters:
     """vLLM's spec-decode counters from ``LLM.get_metrics()`` (summed over engines)."""
     c = SpecCounters()
@@ -974,7 +1008,7 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
              dummy: bool, lengths: str = "fixed") -> tuple[list[list[int]], dict, SpecCounters]:
     """Waves: ``batch`` requests at a time, one ``generate`` call each; a wave ends with
     its slowest request."""
-    before = spec_counters(llm.get_metrics())
+    before = engine_spec_counters(llm)
     outputs: list[list[int]] = []
     times = CellTimes()
     wave_edges: list[tuple[float, float]] = []
@@ -998,7 +1032,7 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
             wave_edges.append((min(q for q, _ in stamps) - tw_mono,
                                end_mono - max(last for _, last in stamps)))
     wall = time.perf_counter() - t0
-    delta = spec_counters(llm.get_metrics()).minus(before)
+    delta = engine_spec_counters(llm).minus(before)
     return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts,
                                  wave_edges), delta
 
@@ -1017,7 +1051,7 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
     request) and not on plain decoding's lockstep; a server under constant load has
     no drain."""
     engine = llm.llm_engine
-    before = spec_counters(llm.get_metrics())
+    before = engine_spec_counters(llm)
     pending = list(range(len(prompts)))[::-1]
     index_of: dict[str, int] = {}
     finished: dict[int, object] = {}
@@ -1060,7 +1094,7 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
     if len(finished) != len(prompts):
         raise RuntimeError(f"steady cell: {len(finished)} of {len(prompts)} requests finished")
     outputs = [list(finished[i].outputs[0].token_ids) for i in range(len(prompts))]
-    delta = spec_counters(llm.get_metrics()).minus(before)
+    delta = engine_spec_counters(llm).minus(before)
     summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts)
     if full_concurrency is not None and full_concurrency[0] > 0:
         seconds, tokens = full_concurrency

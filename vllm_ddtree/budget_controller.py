@@ -49,7 +49,9 @@ made non-decreasing in ``b`` (a larger tree never costs less). Steps that also
 prefilled (``prefill_tokens > 0``), and steps that verified one budget and drafted
 another (``drafted_budget``), feed acceptance but not cost.
 
-**Decision.** Every ``refresh_steps`` observed steps (and when a probe ends), for each
+**Decision.** Every ``refresh_steps`` observed steps (and when a probe ends, and at a
+bucket's first step, so that a batch size range seen for the first time decides from
+what the other buckets measured instead of holding the start-up prior), for each
 bucket that saw steps since: the best budget by the formula above, at the bucket's
 mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
 bucket's largest batch, or above ``max_budget_by_batch`` (a cap by batch size, e.g.
@@ -430,10 +432,16 @@ class BudgetController:
             raise ValueError(f"drafted budget {stats.drafted_budget} is not one of the "
                              f"levels {self.levels}")
         hits = self._depth_hits(stats, b, n)
-        self._step += 1
-        now = self._step
         i = self.bucket_of(n)
         bk = self._buckets[i]
+        changed = False
+        if bk.steps == 0 and self._step > 0:
+            # A batch size range seen for the first time holds the start-up prior's
+            # choice: decide now from what the other buckets measured (before this
+            # step's own sample, a single step's worth of noise).
+            changed = self._refresh(i)
+        self._step += 1
+        now = self._step
         li = self._index[b]
         bk.steps += 1
         # Mean batch size in the bucket (fast decay).
@@ -452,7 +460,6 @@ class BudgetController:
                             self.shape_half_life)
         bk.since_switch += 1
         bk.dirty = True
-        changed = False
         if bk.probing is not None:
             # Statistics lag: count only the steps that verified the probed budget; a
             # probe that sees too few of them (the table was overridden) is ended.

@@ -1170,3 +1170,43 @@ def test_a_result_names_the_drafter_weights_it_measured(tmp_path):
     assert len(first) == 12 and weights_digest(str(tmp_path)) != first
     committed = os.path.join(ROOT, "bench", "fixture", "smollm2-dflash")
     assert weights_digest(committed) == "ac12e46ba011"
+
+
+def test_engine_spec_counters_read_each_engines_own_logger_with_several_alive():
+    """With two engines in one process, vLLM's second stat logger unregisters the first
+    one's metrics, so the process registry (``LLM.get_metrics()``) shows the second
+    engine's counters only; each engine's own logger still holds its own."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+    from bench.run import engine_spec_counters
+
+    def engine(num_spec: int, drafts: list[tuple[int, int]]):
+        unregister_vllm_metrics()  # what every PrometheusStatLogger does first
+        prom = SpecDecodingProm(types.SimpleNamespace(num_speculative_tokens=num_spec),
+                                ["model_name", "engine"], {0: ["m", "0"]})
+        stats = SpecDecodingStats.new(num_spec)
+        for draft, accepted in drafts:
+            stats.observe_draft(draft, accepted)
+        prom.observe(stats, 0)
+        manager = types.SimpleNamespace(stat_loggers=[
+            types.SimpleNamespace(), types.SimpleNamespace(spec_decoding_prom=prom)])
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(logger_manager=manager),
+                                     get_metrics=get_metrics_snapshot)
+
+    try:
+        first = engine(4, [(4, 2), (4, 0)])
+        second = engine(3, [(3, 3)])
+        assert engine_spec_counters(first) == SpecCounters(2, 8, 2, [1, 1, 0, 0])
+        assert engine_spec_counters(second) == SpecCounters(1, 3, 3, [1, 1, 1])
+        # The registry path sees the second engine only.
+        assert spec_counters(first.get_metrics()) == SpecCounters(1, 3, 3, [1, 1, 1])
+        # No spec-decode logger (plain decoding): nothing counted.
+        plain = types.SimpleNamespace(llm_engine=types.SimpleNamespace(
+            logger_manager=types.SimpleNamespace(stat_loggers=[types.SimpleNamespace(
+                spec_decoding_prom=SpecDecodingProm(None, ["model_name", "engine"],
+                                                    {0: ["m", "0"]}))])))
+        assert engine_spec_counters(plain) == SpecCounters()
+    finally:
+        unregister_vllm_metrics()

@@ -496,3 +496,26 @@ def test_a_host_bound_engine_keeps_drafting_while_it_pays(seed):
     assert tokens_per_s(4, best, HOST_BOUND_TRUE) > 1.15 * tokens_per_s(4, 0, HOST_BOUND_TRUE)
     choices = eng.run_choices(4000, 4)
     assert 0 not in choices[1500:]
+
+
+def test_a_batch_size_range_seen_first_decides_from_the_others_at_once():
+    """Drafting learned off at batch 1; the first step at batch 4 (a bucket the
+    start-up prior has drafting) switches that bucket off at once instead of drafting
+    at the prior's budget until a refresh and the bucket's own evidence (9 steps at
+    budget 32 here; a 64-step cell at a new batch size of the 8B shape, nothing
+    accepted, drafted 8 of them)."""
+    ctl = controller()
+    eng = Engine(ctl, seed=3)
+    assert ctl.budget_for(4) > 0 and ctl.budget_for(16) > 0  # the prior drafts there
+    eng.run(600, 1, quality=0.02)
+    assert ctl.budget_for(1) == 0
+    assert ctl.budget_for(4) > 0  # not seen yet: still the prior's choice
+    # The first batch-4 step is observed after the second is decided (statistics lag
+    # a step): the third uses the new choice.
+    # (The bucket then probes, as any bucket that is off: a short tree, later.)
+    budgets = eng.run(64, 4, quality=0.02)
+    assert budgets[2:34] == [0] * 32
+    assert ctl.choice_for(4) == 0
+    # The same at batch 16 straight after.
+    budgets = eng.run(64, 16, quality=0.02)
+    assert budgets[2:34] == [0] * 32
