@@ -179,16 +179,17 @@ def summarise(cells: dict) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| suite | set | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
+    lines = ["| suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
              "DDTree / plain | DDTree / plain by file | DDTree / best, paired (min-max, pairs) | "
              "tau chain / DDTree | spread plain / chain / DDTree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         p = c.get("ddtree_vs_best_other_paired")
         paired = f"{p['median']} ({p['min']}-{p['max']}, {p['pairs']})" if p else ""
         lines.append(
-            f"| {c.get('suite', '')} | {c['prompt_set']} | {c['batch']} | {c['temperature']:g} | "
+            f"| {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
+            f"{c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
             f"{' / '.join(f'{r:.2f}' for r in c.get('ddtree_vs_no_spec_by_file', []))} | "

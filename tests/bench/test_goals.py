@@ -87,7 +87,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert doc["cells"][0]["both_orders"]
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out
-    assert "| fixture | held | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+    assert "| fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
 
 
 def test_per_file_ratios_show_what_the_pooled_median_hides():
