@@ -61,8 +61,8 @@ COST_MODEL_REPORT = Switch(
 BUDGET_REPORT = Switch(
     "VLLM_DDTREE_BUDGET_REPORT", "path", None,
     "rewrite the online budget controller's state (chosen budget and measured "
-    "acceptance and step time per budget, by batch size) to this JSON file whenever "
-    "it is logged (vllm_ddtree.online_budget)")
+    "acceptance and step time per budget, by batch size) to this JSON file every 2 s "
+    "of decoding (vllm_ddtree.online_budget)")
 
 SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DEFER_CONTEXT,
                                 DIRECT_LAUNCH, TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)

@@ -63,8 +63,12 @@ logger = logging.getLogger("vllm.ddtree")
 # step's time (the engine was idle, or waited for requests): it feeds acceptance only.
 MAX_STEP_MS = 1000.0
 # Seconds between two log lines about the controller (each change of the table is
-# logged, at most this often; the state file is rewritten as often).
+# logged, at most this often).
 LOG_INTERVAL_S = 10.0
+# Seconds between two writes of the state file (VLLM_DDTREE_BUDGET_REPORT), changed or
+# not: its step trace moves every step, and a reader (bench/run.py, when an engine is
+# done) should find the last few seconds in it, not the state of the last table change.
+REPORT_INTERVAL_S = 2.0
 # Steps kept for the report (VLLM_DDTREE_BUDGET_REPORT): each observed step's batch,
 # budget verified, budget drafted, requests sampled, mean accepted depth, step time and
 # prefill tokens.
@@ -175,7 +179,7 @@ class OnlineBudget:
         self.lookup: list[int] = self.controller.budget_table(self.max_num_seqs)
         self._clock = clock
         self._last_output_t: float | None = None
-        self._last_log_t = -math.inf
+        self._last_log_t = self._last_report_t = -math.inf
         self._changed_since_log = False
         self.report_path = env.budget_report_path()
         self.steps_observed = 0
@@ -289,8 +293,9 @@ class OnlineBudget:
             self._last_log_t = now
             self._changed_since_log = False
             logger.info("%s", self.log_line())
-            if self.report_path:
-                self.write_report(self.report_path)
+        if self.report_path and now - self._last_report_t >= REPORT_INTERVAL_S:
+            self._last_report_t = now
+            self.write_report(self.report_path)
 
     def _active(self) -> list[tuple[str, BudgetController]]:
         """The classes that have observed steps, with their controllers."""

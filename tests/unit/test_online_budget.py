@@ -376,3 +376,28 @@ def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
     assert fields[:3] == ["batch", "budget", "drafted_budget"]
     assert len(steps) == 3 and steps[-1][:5] == [1, 8, None, 1, 1.0]
     assert abs(steps[-1][5] - 3.0) < 1e-6 and steps[-1][6] == 0
+
+
+def test_the_report_is_rewritten_every_interval_without_a_change(models, h200, tmp_path,
+                                                                  monkeypatch):
+    """The state file follows the steps (every REPORT_INTERVAL_S), not only the last
+    change of the table: a reader at the end of a run finds its last steps."""
+    import json
+
+    from vllm_ddtree import online_budget
+    from vllm_ddtree.online_budget import OnlineBudget
+
+    report = tmp_path / "budget.json"
+    monkeypatch.setenv("VLLM_DDTREE_BUDGET_REPORT", str(report))
+    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
+    ob._clock.t = 1.0
+    ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
+    first = json.loads(report.read_text())["steps_observed"]
+    steps = 0
+    while ob._clock.t < 1.0 + online_budget.REPORT_INTERVAL_S * 1.5:
+        ob._clock.t += 0.003
+        ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
+        steps += 1
+    later = json.loads(report.read_text())["steps_observed"]
+    assert first == 1
+    assert later > first + steps // 2
