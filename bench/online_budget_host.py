@@ -8,6 +8,11 @@ some), with the real controller behind it; ``metrics()`` (what the scheduler's s
 carry each step) is timed too.
 
     python3 bench/online_budget_host.py --out bench/results/<dir>/online-budget-host.json
+
+``--baseline REV`` also times the controller (``vllm_ddtree/budget_controller.py``) of
+git revision REV behind the same ``OnlineBudget``, the two taken in turns (A B, B A,
+...) for ``--rounds`` rounds, and reports each cell's median of the paired ratios this
+tree / REV: this machine's pace drifts by more than a change of the controller moves it.
 """
 
 from __future__ import annotations
@@ -69,19 +74,74 @@ def time_observe(batch: int, budget: int, steps: int, seed: int = 0) -> dict:
             "us_mean": round(statistics.fmean(per_call), 2)}
 
 
+def controller_at(rev: str):
+    """``BudgetController`` as git revision ``rev`` had it (its module loaded from
+    ``git show``, under a name of its own)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:vllm_ddtree/budget_controller.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "budget_controller_baseline.py")
+    with open(path, "w") as f:
+        f.write(source)
+    name = "budget_controller_baseline"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.BudgetController
+
+
+def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds: int) -> list[dict]:
+    """This tree's controller against ``baseline_rev``'s, in turns; per cell the
+    per-round means and the median of the paired ratios (this tree / baseline)."""
+    from vllm_ddtree import online_budget
+
+    controllers = {"tree": online_budget.BudgetController,
+                   "baseline": controller_at(baseline_rev)}
+    means: dict = {cell: {"tree": [], "baseline": []} for cell in cells}
+    try:
+        for r in range(rounds):
+            for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
+                online_budget.BudgetController = controllers[name]
+                for n, b in cells:
+                    means[(n, b)][name].append(time_observe(n, b, steps, seed=r)["us_mean"])
+    finally:
+        online_budget.BudgetController = controllers["tree"]
+    rows = []
+    for (n, b), m in means.items():
+        ratios = [t / base for t, base in zip(m["tree"], m["baseline"])]
+        rows.append({"batch": n, "budget": b, "baseline": baseline_rev,
+                     "us_mean_tree": [round(x, 2) for x in m["tree"]],
+                     "us_mean_baseline": [round(x, 2) for x in m["baseline"]],
+                     "tree_over_baseline_paired_median": round(statistics.median(ratios), 3),
+                     "tree_over_baseline_paired": [round(x, 3) for x in ratios]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--budgets", type=int, nargs="+", default=[0, 8, 64])
+    ap.add_argument("--baseline", help="git revision whose controller to time against, in turns")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of turns with --baseline")
     args = ap.parse_args(argv)
-    rows = [time_observe(n, b, args.steps) for n in args.batch_sizes for b in args.budgets]
+    cells = [(n, b) for n in args.batch_sizes for b in args.budgets]
+    if args.baseline:
+        rows = compare(args.baseline, cells, args.steps, args.rounds)
+    else:
+        rows = [time_observe(n, b, args.steps) for n, b in cells]
     doc = {"command": "python3 bench/online_budget_host.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "host": {"machine": platform.machine(), "processor": platform.processor(),
                     "python": platform.python_version(), "cpus": os.cpu_count()},
-           "what": "host microseconds per step of OnlineBudget.observe + metrics()",
+           "what": "host microseconds per step of OnlineBudget.observe + metrics()"
+                   + (f", this tree's controller against {args.baseline}'s in turns"
+                      if args.baseline else ""),
            "rows": rows}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

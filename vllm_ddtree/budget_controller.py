@@ -379,6 +379,7 @@ class BudgetController:
         self.probe_spacing_max = int(probe_spacing_max)
         self._step = 0
         self.version = 0
+        self._model_cache: dict[int, list[float]] = {}
         self._buckets: list[_Bucket] = []
         for i in range(self.max_batch_size.bit_length()):
             lo, hi = 1 << i, min((1 << (i + 1)) - 1, self.max_batch_size)
@@ -453,7 +454,7 @@ class BudgetController:
             bk.acc[li].add(now, float(sum(hits[1:])), float(hits[0]), self.half_life,
                            self.shape_half_life, hits)
         if stats.prefill_tokens == 0 and stats.drafted_budget in (None, b):
-            model = self.startup_cost(min(max(n, 1), self.max_batch_size), b)
+            model = self._model_levels(min(max(n, 1), self.max_batch_size))[li]
             if not model > 0:
                 raise ValueError(f"startup_cost({n}, {b}) = {model}; it must be positive")
             bk.cost[li].add(now, stats.step_ms / model, 1.0, self.half_life,
@@ -676,6 +677,8 @@ class BudgetController:
         (budget 0 of the cost cells, a step without a drafter) lends to and borrows
         from no other, so budgets never measured do not look as cheap as no drafting
         where the start-up model leaves the drafter out."""
+        if not any(c.fast_w > 0 for c in cells):
+            return None  # never fed: nothing to infer from
         now = self._step
         fw, sw = zip(*(c.weights(now, self.half_life, self.shape_half_life) for c in cells))
         fm = [c.fast_mean() for c in cells]
@@ -752,6 +755,16 @@ class BudgetController:
                         return found[0], [self.prior_weight] * len(found[0])
         return None
 
+    def _model_levels(self, batch: int) -> list[float]:
+        """The start-up model's step time at each level for ``batch``: a fixed model,
+        computed once per batch size (observe and every refresh read it on the engine's
+        host thread)."""
+        values = self._model_cache.get(batch)
+        if values is None:
+            values = self._model_cache[batch] = [float(self.startup_cost(batch, b))
+                                                 for b in self.levels]
+        return values
+
     def _estimate(self, i: int) -> dict:
         bk = self._buckets[i]
         lv = self.levels
@@ -770,7 +783,7 @@ class BudgetController:
         acc = [0.0] + [min(v, float(min(b, self.max_depth)))
                        for v, b in zip(isotonic_non_decreasing(acc_v, acc_w), lv[1:])]
         # Step time: the start-up model times a correction.
-        model = [float(self.startup_cost(n_int, b)) for b in lv]
+        model = self._model_levels(n_int)
         found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv),
                                                        first_alone=True))
         corr, corr_w = found if found is not None else ([1.0] * len(lv),

@@ -1210,3 +1210,27 @@ def test_engine_spec_counters_read_each_engines_own_logger_with_several_alive():
         assert engine_spec_counters(plain) == SpecCounters()
     finally:
         unregister_vllm_metrics()
+
+
+def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
+    """``bench/online_budget_host.py --baseline REV`` loads REV's controller from git
+    and reports paired ratios per cell; the real tree's controller is back afterwards."""
+    import subprocess
+
+    from bench import online_budget_host as H
+    from vllm_ddtree import budget_controller, online_budget
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "host.json"
+    assert H.main(["--out", str(out), "--steps", "40", "--batch-sizes", "1",
+                   "--budgets", "0", "8", "--baseline", "HEAD", "--rounds", "2"]) == 0
+    doc = json.loads(out.read_text())
+    assert "against HEAD" in doc["what"]
+    assert [(r["batch"], r["budget"]) for r in doc["rows"]] == [(1, 0), (1, 8)]
+    for r in doc["rows"]:
+        assert len(r["us_mean_tree"]) == len(r["us_mean_baseline"]) == 2
+        assert len(r["tree_over_baseline_paired"]) == 2
+        assert r["tree_over_baseline_paired_median"] > 0
+    assert online_budget.BudgetController is budget_controller.BudgetController
