@@ -385,15 +385,18 @@ def engine_spec_counters(llm) -> SpecCounters:
             continue
         if not getattr(prom, "spec_decoding_enabled", False):
             return SpecCounters()
-        return SpecCounters(
-            int(sum(_child_value(c) for c in prom.counter_spec_decode_num_drafts.values())),
-            int(sum(_child_value(c)
-                    for c in prom.counter_spec_decode_num_draft_tokens.values())),
-            int(sum(_child_value(c)
-                    for c in prom.counter_spec_decode_num_accepted_tokens.values())),
-            [int(sum(vals)) for vals in zip(*(
-                [_child_value(c) for c in per_pos] for per_pos in
-                prom.counter_spec_decode_num_accepted_tokens_per_pos.values()))])
+        try:
+            return SpecCounters(
+                int(sum(_child_value(c) for c in prom.counter_spec_decode_num_drafts.values())),
+                int(sum(_child_value(c)
+                        for c in prom.counter_spec_decode_num_draft_tokens.values())),
+                int(sum(_child_value(c)
+                        for c in prom.counter_spec_decode_num_accepted_tokens.values())),
+                [int(sum(vals)) for vals in zip(*(
+                    [_child_value(c) for c in per_pos] for per_pos in
+                    prom.counter_spec_decode_num_accepted_tokens_per_pos.values()))])
+        except (AttributeError, TypeError):
+            break  # laid out otherwise (another vLLM): the registry, as before
     return spec_counters(llm.get_metrics())
 
 
