@@ -49,8 +49,8 @@ def test_the_page_shows_the_files_it_is_made_of(tmp_path):
     goals = {"git_rev": "abc", "prompt_set_held_out": "held", "goal": "the goal",
              "sources": [{"file": "run.json.gz", "command": "python bench/run.py ...",
                           "engine_order": ["no-spec", "ddtree-b64"]}],
-             "cells": [{"suite": "fixture", "prompt_set": "held", "batch": 4, "temperature": 0.0,
-                        "tok_s": {"no-spec": 100.0, "ddtree": 120.0}, "tau": {"ddtree": 1.9},
+             "cells": [{"suite": "fixture", "prompt_set": "held", "mode": "waves", "batch": 4,
+                        "temperature": 0.0, "tok_s": {"no-spec": 100.0, "ddtree": 120.0}, "tau": {"ddtree": 1.9},
                         "spread": {"no-spec": 0.1, "ddtree": 0.2},
                         "ddtree_vs_best_other": 1.2, "ddtree_vs_no_spec": 1.2,
                         "goal_met": True}]}
@@ -62,7 +62,7 @@ def test_the_page_shows_the_files_it_is_made_of(tmp_path):
     (tmp_path / "not-a-run").mkdir()
     page = results_page.render(str(tmp_path))
     assert "held out: `held`" in page and "met in 1 of 1 cells" in page
-    assert "| fixture | held | 4 | 0 | 100.0 |  | 120.0 | 1.2 | 1.2 |" in page
+    assert "| fixture | held | waves | 4 | 0 | 100.0 |  | 120.0 | 1.2 | 1.2 |" in page
     assert "### Later run: `2026-01-02-a-run/goals-later.json`" in page
     assert "what the run measured |" in page and "not-a-run" not in page
     assert "`python bench/run.py ...`" in page
