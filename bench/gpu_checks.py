@@ -28,26 +28,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.tiny_models import TARGET_SHAPES, tiny_qwen3_config, tiny_target_config  # noqa: E402
+from bench.tiny_models import TARGET_SHAPES, TINY_DRAFTERS, tiny_qwen3_config, tiny_target_config  # noqa: E402
 
 
-def make_tiny_models(root: str, shape: str = "qwen3") -> tuple[str, str]:
+def make_tiny_models(root: str, shape: str = "qwen3", drafter_kind: str = "dflash") -> tuple[str, str]:
     target = os.path.join(root, f"tiny-{shape}")
-    drafter = os.path.join(root, "tiny-dflash")
+    drafter = os.path.join(root, f"tiny-{drafter_kind}")
     os.makedirs(target, exist_ok=True)
     os.makedirs(drafter, exist_ok=True)
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump(tiny_target_config(shape), f)
     with open(os.path.join(drafter, "config.json"), "w") as f:
-        json.dump(
-            dict(
-                architectures=["DFlashDraftModel"],
-                block_size=16,
-                dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2]),
-                **tiny_qwen3_config(num_hidden_layers=1),
-            ),
-            f,
-        )
+        json.dump(dict(**TINY_DRAFTERS[drafter_kind], **tiny_qwen3_config(num_hidden_layers=1)), f)
     return target, drafter
 
 
@@ -288,10 +280,12 @@ def run_equiv(args) -> dict:
     shapes = args.target_shapes if dummy else [None]
     for shape in shapes:
         if dummy:
-            target, drafter = make_tiny_models(tempfile.mkdtemp(), shape)
+            target, drafter = make_tiny_models(tempfile.mkdtemp(), shape, args.drafter_kind)
         else:
             target, drafter = args.target, args.drafter
         name = f"tiny-{shape}" if dummy else os.path.basename(target.rstrip("/"))
+        if dummy and args.drafter_kind != "dflash":
+            name += f"+{args.drafter_kind}"
         for eager in args.eager_modes:
             try:
                 base = _engine(target, None, eager, dummy, args.dtype)
@@ -307,7 +301,9 @@ def run_equiv(args) -> dict:
                     results["runs"].append(dict(target=name, config="no-spec", eager=eager,
                                                 batch=bs, sampling=m, seconds=round(base_s, 3)))
             _free(base)
-            for method, budget in [("dflash", 15)] + [("ddtree", b) for b in args.budgets]:
+            # The chain drafts the drafter's whole block (block_size - 1 tokens).
+            chain = (TINY_DRAFTERS[args.drafter_kind]["block_size"] - 1) if dummy else 15
+            for method, budget in [("dflash", chain)] + [("ddtree", b) for b in args.budgets]:
                 spec = dict(method=method, model=drafter, num_speculative_tokens=budget)
                 try:
                     llm = _engine(target, spec, eager, dummy, args.dtype)
@@ -755,6 +751,8 @@ def main() -> None:
                         help="equiv-real: the margin of every first difference (near_tie_margins)")
     parser.add_argument("--target-shapes", nargs="+", choices=list(TARGET_SHAPES),
                         default=["qwen3"], help="equiv without --target: tiny random shapes")
+    parser.add_argument("--drafter-kind", choices=list(TINY_DRAFTERS), default="dflash",
+                        help="equiv without --target: the tiny random drafter (dflash2: vLLM 0.33.0)")
     parser.add_argument("--variants", nargs="+", choices=EQUIV_REAL_VARIANTS + EQUIV_REAL_CONTROLS,
                         help="equiv-real: run only these (default: all but the controls; "
                              "ddtree-async includes the aborts run)")

@@ -45,6 +45,7 @@
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh lossless # greedy and seeded T>0 equivalence, real pair, float32
 #   bash bench/gpu_session.sh shapes   # the same on tiny random Qwen3 / Llama-3 / Qwen3-MoE targets
+#                                      # (SHAPES_DRAFTER=dflash2: a DFlash2 drafter, vLLM 0.33.0)
 #                                      # (LOSSLESS_MODES="eager graphs", LOSSLESS_VARIANTS, ...)
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs,
@@ -299,11 +300,14 @@ case "$step" in
   shapes)
     # Tiny random targets of the families public DFlash drafters serve (dummy weights,
     # float32, eager): SHAPES (qwen3 llama3 qwen3-moe; qwen3-moe needs vLLM's MoE kernels).
+    # SHAPES_DRAFTER=dflash2: a tiny random DFlash2 drafter (block 8; vLLM 0.33.0).
     apply_series
+    sdrafter="${SHAPES_DRAFTER:-dflash}"
     # shellcheck disable=SC2086  # a list of shapes
-    timeout "${SHAPES_TIMEOUT_S:-300}" python3 bench/gpu_checks.py equiv --out "$OUT/equiv-tiny-shapes-fp32-eager.json" \
+    timeout "${SHAPES_TIMEOUT_S:-300}" python3 bench/gpu_checks.py equiv --out "$OUT/equiv-tiny-shapes-$sdrafter-fp32-eager.json" \
       --dtype float32 --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 \
-      --target-shapes ${SHAPES:-qwen3 llama3 qwen3-moe} --sampling greedy seeded > "$OUT/equiv-shapes.log" 2>&1
+      --drafter-kind "$sdrafter" --target-shapes ${SHAPES:-qwen3 llama3 qwen3-moe} \
+      --sampling greedy seeded > "$OUT/equiv-shapes.log" 2>&1
     echo "shapes rc=$?"; grep '^{' "$OUT/equiv-shapes.log" | cut -c1-300
     ;;
   graphs)

@@ -118,12 +118,13 @@ def run_dirs(results: str = RESULTS) -> list[str]:
 
 def goals_svg(cells: list[dict]) -> str:
     """DDTree / plain decoding against batch size (log2 axis), one panel per suite and
-    temperature: the pooled median (line) and each result file's own ratio (dots);
+    temperature (and vLLM version, where cells of several are present): the pooled median (line) and each result file's own ratio (dots);
     dashed lines at 1 (plain decoding) and at the goal, 0.97."""
     panels: dict = {}
     for c in cells:
         if "ddtree_vs_no_spec" in c:
-            panels.setdefault((c.get("suite") or "", c["temperature"]), []).append(c)
+            panels.setdefault((c.get("vllm_version") or "", c.get("suite") or "",
+                               c["temperature"]), []).append(c)
     if not panels:
         return ""
     ratios = [r for cs in panels.values() for c in cs
@@ -136,7 +137,8 @@ def goals_svg(cells: list[dict]) -> str:
     pw, ph = w - pad_l - 12, h - pad_t - pad_b
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels)}" height="{h}" '
            'font-family="sans-serif" font-size="11">']
-    for k, ((suite, temp), cs) in enumerate(sorted(panels.items())):
+    versions = {v for v, _, _ in panels}
+    for k, ((version, suite, temp), cs) in enumerate(sorted(panels.items())):
         x0 = k * w + pad_l
 
         def x(b):
@@ -144,7 +146,8 @@ def goals_svg(cells: list[dict]) -> str:
 
         def y(r):
             return pad_t + ph * (hi - r) / (hi - lo)
-        out.append(f'<text x="{x0}" y="16">{suite}, T={temp:g}: DDTree / plain decoding</text>')
+        on = f" (vLLM {version})" if len(versions) > 1 else ""
+        out.append(f'<text x="{x0}" y="16">{suite}, T={temp:g}{on}: DDTree / plain decoding</text>')
         out.append(f'<rect x="{x0}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" '
                    'stroke="#999"/>')
         for r, dash in ((1.0, "4 3"), (0.97, "1 3")):

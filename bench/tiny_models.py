@@ -54,3 +54,16 @@ def tiny_target_config(shape: str) -> dict:
     """config.json of a tiny random target of ``shape`` (a key of TARGET_SHAPES)."""
     arch, fields = TARGET_SHAPES[shape]
     return dict(architectures=[arch], **tiny_qwen3_config(**fields))
+
+
+# The tiny random drafters' own fields (beside a one-layer tiny Qwen3 config): a DFlash
+# drafter (block 16) and a DFlash2 drafter (vLLM 0.33.0's DFlash2Qwen3ForCausalLM:
+# block 8, grouped convolutions, a candidate selector of top 8).
+TINY_DRAFTERS = {
+    "dflash": dict(architectures=["DFlashDraftModel"], block_size=16,
+                   dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2])),
+    "dflash2": dict(architectures=["DFlash2DraftModel"], block_size=8,
+                    dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2],
+                                       conv_kernel_size=3, conv_group_size=16,
+                                       selector_rank=8, selector_top_k=8)),
+}

@@ -14,7 +14,7 @@ sys.path.insert(0, REPO)
 from bench import goals as G  # noqa: E402
 
 
-def _doc(order, rates, rounds=1, suite="fixture"):
+def _doc(order, rates, rounds=1, suite="fixture", vllm_version="0.26.0"):
     """A result file: engines started in ``order`` (reversed every other round), one
     batch-4 T=0 cell with ``rates[config]`` tokens/s per round."""
     engines, results = [], []
@@ -25,7 +25,7 @@ def _doc(order, rates, rounds=1, suite="fixture"):
                             "temperature": 0.0, "output_tokens_per_s": rates[config][r],
                             "tau": 1.5 if config != "no-spec" else None})
     return {"suite": suite, "cell_mode": "waves", "engines": engines, "results": results,
-            "git_rev": "abc"}
+            "git_rev": "abc", "vllm_version": vllm_version}
 
 
 RATES = {"no-spec": [100.0, 110.0], "dflash-t512": [90.0, 95.0],
@@ -87,7 +87,22 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert doc["cells"][0]["both_orders"]
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out
-    assert "| fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+    assert "| 0.26.0 | fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+
+
+def test_each_vllm_version_gets_its_own_cells():
+    order = ["no-spec", "dflash-t512", "ddtree-b64-t512"]
+    older = _doc(order, RATES)
+    newer = _doc(order, {"no-spec": [200.0], "dflash-t512": [150.0], "ddtree-b64-t512": [180.0]},
+                 vllm_version="0.33.0")
+    cells = G.summarise(G.gather([older, newer]))
+    assert [(c["vllm_version"], c["tok_s"]["no-spec"]) for c in cells] == [
+        ("0.26.0", 100.0), ("0.33.0", 200.0)]
+    assert cells[0]["goal_met"] and not cells[1]["goal_met"]
+    # A file from before the field existed is its own version, "unknown".
+    del older["vllm_version"]
+    assert {c["vllm_version"] for c in G.summarise(G.gather([older, newer]))} == {
+        "unknown", "0.33.0"}
 
 
 def test_per_file_ratios_show_what_the_pooled_median_hides():
@@ -105,6 +120,7 @@ def _interleaved(runs: dict[str, list[float]]) -> dict:
     """A ``--interleave`` file: one batch-4 T=0 cell, repeat i of every engine taken in
     the same turn."""
     return {"suite": "fixture", "cell_mode": "steady", "interleave": True, "git_rev": "abc",
+            "vllm_version": "0.26.0",
             "engines": [{"config": c, "round": 0} for c in runs],
             "results": [{"config": c, "prompt_set": "held", "batch_size": 4,
                          "temperature": 0.0, "output_tokens_per_s": sorted(r)[len(r) // 2],

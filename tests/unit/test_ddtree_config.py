@@ -23,7 +23,7 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 
-from bench.tiny_models import tiny_qwen3_config  # noqa: E402
+from bench.tiny_models import TINY_DRAFTERS, tiny_qwen3_config  # noqa: E402
 from vllm_ddtree.config import (  # noqa: E402
     MAX_TREE_BUDGET,
     DDTreeConfigError,
@@ -82,14 +82,8 @@ def model_dirs(tmp_path_factory):
     )
     # A tiny random DFlash2 drafter (vLLM 0.33.0's DFlash2Qwen3ForCausalLM): block 8,
     # grouped convolutions and a candidate selector of top 8.
-    dflash2 = _write_config(
-        root / "dflash2",
-        architectures=["DFlash2DraftModel"],
-        block_size=8,
-        dflash_config=dict(mask_token_id=0, target_layer_ids=[1, 2], conv_kernel_size=3,
-                           conv_group_size=16, selector_rank=8, selector_top_k=8),
-        **_qwen3_fields(num_hidden_layers=1),
-    )
+    dflash2 = _write_config(root / "dflash2", **TINY_DRAFTERS["dflash2"],
+                            **_qwen3_fields(num_hidden_layers=1))
     beam = _write_config(
         root / "dflash2-beam",
         architectures=["DFlash2BeamDraftModel"],
