@@ -301,9 +301,14 @@ def run_equiv(args) -> dict:
                     results["runs"].append(dict(target=name, config="no-spec", eager=eager,
                                                 batch=bs, sampling=m, seconds=round(base_s, 3)))
             _free(base)
-            # The chain drafts the drafter's whole block (block_size - 1 tokens).
+            # The chain drafts the drafter's whole block (block_size - 1 tokens); it runs
+            # after DDTree, so a chain engine that stalls (vLLM 0.33.0's DFlash2 chain
+            # builds a FlashInfer top-k module on first use) leaves DDTree's cases written.
             chain = (TINY_DRAFTERS[args.drafter_kind]["block_size"] - 1) if dummy else 15
-            for method, budget in [("dflash", chain)] + [("ddtree", b) for b in args.budgets]:
+            engines = [("ddtree", b) for b in args.budgets]
+            if not args.no_chain:
+                engines.append(("dflash", chain))
+            for method, budget in engines:
                 spec = dict(method=method, model=drafter, num_speculative_tokens=budget)
                 try:
                     llm = _engine(target, spec, eager, dummy, args.dtype)
@@ -465,16 +470,29 @@ def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> lis
     num_blocks = triton.cdiv(vocab_size, block)
     local_argmax = torch.empty(n, num_blocks, dtype=torch.int64, device="cuda")
     local_max = torch.empty(n, num_blocks, dtype=torch.float32, device="cuda")
-    _gumbel_sample_kernel[(n, num_blocks)](
-        local_argmax, local_argmax.stride(0), local_max, local_max.stride(0),
-        None, 0, None, logits, logits.stride(0),
-        torch.zeros(n, dtype=torch.int32, device="cuda"),
-        torch.tensor([seed], dtype=torch.int64, device="cuda"),
-        torch.full((n,), pos, dtype=torch.int64, device="cuda"),
-        torch.ones(1, dtype=torch.float32, device="cuda"),
-        vocab_size, BLOCK_SIZE=block, APPLY_TEMPERATURE=False, USE_FP64=False,
-        PER_TOKEN_COL=False,
+    # The kernel's arguments by name: 0.33.0 added a logits cache and IS_DRAFTING,
+    # unused (None / 0 / False) for plain decoding's noise, as on 0.26.0.
+    args = dict(
+        local_argmax_ptr=local_argmax, local_argmax_stride=local_argmax.stride(0),
+        local_max_ptr=local_max, local_max_stride=local_max.stride(0),
+        processed_logits_ptr=None, processed_logits_stride=0, processed_logits_col_ptr=None,
+        logits_cache_ptr=None, logits_cache_stride_0=0, logits_cache_stride_1=0,
+        logits_cache_col_ptr=None, logits_cache_source_ptr=None,
+        logits_cache_source_stride=0,
+        logits_ptr=logits, logits_stride=logits.stride(0),
+        expanded_idx_mapping_ptr=torch.zeros(n, dtype=torch.int32, device="cuda"),
+        seeds_ptr=torch.tensor([seed], dtype=torch.int64, device="cuda"),
+        pos_ptr=torch.full((n,), pos, dtype=torch.int64, device="cuda"),
+        temp_ptr=torch.ones(1, dtype=torch.float32, device="cuda"),
+        vocab_size=vocab_size, BLOCK_SIZE=block, IS_DRAFTING=False,
+        APPLY_TEMPERATURE=False, USE_FP64=False, PER_TOKEN_COL=False,
     )
+    missing = [a for a in _gumbel_sample_kernel.arg_names if a not in args]
+    if missing:
+        raise RuntimeError(f"vLLM's _gumbel_sample_kernel takes arguments this check does "
+                           f"not know: {missing}")
+    _gumbel_sample_kernel[(n, num_blocks)](
+        **{a: args[a] for a in _gumbel_sample_kernel.arg_names})
     return [float(local_max[i, t // block]) for i, t in enumerate(tokens)]
 
 
@@ -756,6 +774,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=EQUIV_REAL_VARIANTS + EQUIV_REAL_CONTROLS,
                         help="equiv-real: run only these (default: all but the controls; "
                              "ddtree-async includes the aborts run)")
+    parser.add_argument("--no-chain", action="store_true",
+                        help="equiv: leave out vLLM's DFlash chain engine")
     parser.add_argument(
         "--eager-modes", type=lambda s: s.lower() == "eager", nargs="+", default=[True]
     )

@@ -301,13 +301,14 @@ case "$step" in
     # Tiny random targets of the families public DFlash drafters serve (dummy weights,
     # float32, eager): SHAPES (qwen3 llama3 qwen3-moe; qwen3-moe needs vLLM's MoE kernels).
     # SHAPES_DRAFTER=dflash2: a tiny random DFlash2 drafter (block 8; vLLM 0.33.0).
+    # SHAPES_NO_CHAIN=1: DDTree only (vLLM's chain engine left out).
     apply_series
     sdrafter="${SHAPES_DRAFTER:-dflash}"
     # shellcheck disable=SC2086  # a list of shapes
     timeout "${SHAPES_TIMEOUT_S:-300}" python3 bench/gpu_checks.py equiv --out "$OUT/equiv-tiny-shapes-$sdrafter-fp32-eager.json" \
       --dtype float32 --num-prompts 16 --max-tokens 64 --budgets 32 --batch-sizes 1 16 \
       --drafter-kind "$sdrafter" --target-shapes ${SHAPES:-qwen3 llama3 qwen3-moe} \
-      --sampling greedy seeded > "$OUT/equiv-shapes.log" 2>&1
+      --sampling greedy seeded ${SHAPES_NO_CHAIN:+--no-chain} > "$OUT/equiv-shapes.log" 2>&1
     echo "shapes rc=$?"; grep '^{' "$OUT/equiv-shapes.log" | cut -c1-300
     ;;
   graphs)

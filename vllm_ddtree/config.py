@@ -199,6 +199,13 @@ def resolve_ddtree_options(spec_config: Any) -> None:
             "verifies by walking the tree with the target's own samples (leave it "
             "'standard')."
         )
+    if getattr(spec_config, "enable_adaptive_verification", False):
+        # vLLM 0.33.0's field (absent on 0.26.0).
+        raise DDTreeConfigError(
+            "ddtree: enable_adaptive_verification=True is not supported; DDTree sizes "
+            "each step's tree itself (its online budget controller, "
+            "ddtree_online_budget). Leave it false."
+        )
     from vllm_ddtree.budget import batch_budget_schedule
     from vllm_ddtree.cost_model import is_auto, provisional_schedule
 

@@ -308,6 +308,10 @@ class DDTreeSampler:
     """Replaces the chain rejection sampler: one target sample per tree node, then
     the walk down the tree. Lossless: see :mod:`vllm_ddtree.tree_walk`."""
 
+    # vLLM 0.33.0's runner reads this from its rejection sampler (kernel warm-up);
+    # config.py refuses adaptive verification with method ddtree.
+    enable_adaptive_verification = False
+
     def __init__(self, sampler: Sampler, verifier: TreeVerifier):
         self.sampler = sampler
         self.verifier = verifier
@@ -319,7 +323,14 @@ class DDTreeSampler:
         logits: torch.Tensor,
         input_batch: InputBatch,
         draft_logits: torch.Tensor | None = None,
+        invalid_drafts: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        # Called as the runner calls its rejection sampler (reach-in
+        # RejectionSampler.__call__). ``invalid_drafts`` (vLLM 0.33.0) marks the logit
+        # rows of grammar requests past the drafts their grammar accepts. A request
+        # with a grammar is decoded without drafts (TREE_WITHOUT_DRAFTS_REQUEST_FIELDS):
+        # its one row sits at local position 0, which the mask never marks, so no row
+        # of a tree is ever marked and the walk needs no change.
         sampler = self.sampler
         verifier = self.verifier
         profiler = verifier.profiler

@@ -161,6 +161,14 @@ def test_a_dflash2_drafter_bounds_the_depth_by_its_block(model_dirs, target_conf
               ddtree_max_depth=8)
 
 
+@pytest.mark.skipif(PIN == PIN_0_26, reason="adaptive verification came with vLLM 0.33.0")
+def test_adaptive_verification_is_refused_naming_the_setting(model_dirs, target_config):
+    # vLLM's own per-request draft trimming (dspark); DDTree sizes its trees itself.
+    with pytest.raises(ValueError, match="enable_adaptive_verification=True is not supported"):
+        _spec(target_config, model_dirs["drafter"], num_speculative_tokens=8,
+              enable_adaptive_verification=True)
+
+
 @ON_0_33
 def test_a_dflash2_engine_config_passes_ddtree_checks(model_dirs, target_config, monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)

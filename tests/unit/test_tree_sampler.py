@@ -89,8 +89,31 @@ def _run(s, fused: bool):
         s["tokens"], s["parents"], s["valid"])
     spec.step = TreeStep(next_budget=BUDGET, verified_rows=s["batch"].logits_indices)
     sampler = _fake_sampler(NO_LOGPROBS)  # greedy target samples, no logprobs
-    out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"])
+    # Positionally, every argument the installed vLLM's runner passes its rejection
+    # sampler (0.33.0 adds the grammar's invalid-draft mask, None without a grammar).
+    extra = [None] * (len(_rejection_sampler_params()) - 3)
+    out = DDTreeSampler(sampler, spec)(s["logits"], s["batch"], *extra)
     return out, spec
+
+
+def _rejection_sampler_params() -> list[str]:
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    return list(inspect.signature(RejectionSampler.__call__).parameters)
+
+
+def test_tree_sampler_takes_the_rejection_samplers_arguments():
+    # The runner calls the tree sampler where it calls its rejection sampler, with
+    # positional arguments: the installed pin's names in the same order; a parameter
+    # only another pin passes defaults to None.
+    want = _rejection_sampler_params()
+    params = inspect.signature(DDTreeSampler.__call__).parameters
+    assert list(params)[:len(want)] == want
+    assert all(p.default is None for p in list(params.values())[len(want):])
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler
+
+    if "enable_adaptive_verification" in inspect.getsource(rejection_sampler):
+        assert DDTreeSampler.enable_adaptive_verification is False
 
 
 def test_fused_and_unfused_walks_give_the_same_runner_output(triton_device, monkeypatch):
