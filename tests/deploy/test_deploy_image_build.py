@@ -113,7 +113,8 @@ exit 0
 '''
 
 
-def build_image(tmp_path: Path, *args: str, fail_run: bool = False) -> tuple[subprocess.CompletedProcess, list]:
+def build_image(tmp_path: Path, *args: str, fail_run: bool = False,
+                extra_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list]:
     docker = tmp_path / "docker"
     docker.write_text(FAKE_DOCKER)
     docker.chmod(0o755)
@@ -121,6 +122,7 @@ def build_image(tmp_path: Path, *args: str, fail_run: bool = False) -> tuple[sub
     env = {**os.environ, "DOCKER": str(docker), "DOCKER_LOG": str(log), "FAKE_SHA": SHA}
     if fail_run:
         env["FAKE_RUN_FAIL"] = "1"
+    env.update(extra_env or {})
     result = subprocess.run(["bash", str(BUILD), *args], env=env, capture_output=True, text=True, timeout=60)
     calls: list[dict] = []
     for line in log.read_text().splitlines() if log.exists() else []:
@@ -167,3 +169,32 @@ def test_build_image_fails_when_the_install_check_fails(tmp_path):
     assert result.returncode == 1
     assert "failed its install check" in result.stderr
     assert len(calls) == 2, "no relabelling after a failed check"
+
+
+def _pin_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines()
+                if line and not line.startswith("#") and "=" in line)
+
+
+@needs_git
+def test_build_image_of_the_second_pin_takes_its_pin_file(tmp_path):
+    # DDTREE_VLLM picks a pin of UPSTREAM's PINS=: FROM its base image, its vLLM version
+    # in the build arguments and the default tag.
+    second = [v for v in upstream()["PINS"].split() if v != upstream()["VLLM_VERSION"]]
+    assert second, "UPSTREAM's PINS= lists a second pin"
+    pins = _pin_file(ROOT / "patches" / f"vllm-{second[0]}" / "UPSTREAM")
+    assert pins["BASE_IMAGE"] == f"vllm/vllm-openai:v{second[0]}"
+    result, calls = build_image(tmp_path, extra_env={"DDTREE_VLLM": second[0]})
+    assert result.returncode == 0, result.stderr
+    args = calls[0]["args"]
+    assert f"BASE_IMAGE={pins['BASE_IMAGE']}" in args
+    assert f"VLLM_VERSION={second[0]}" in args
+    assert any(a.startswith(f"vllm-ddtree:{second[0]}-") for a in calls[1]["args"])
+
+
+@needs_git
+def test_build_image_refuses_a_pin_it_does_not_have(tmp_path):
+    result, calls = build_image(tmp_path, extra_env={"DDTREE_VLLM": "0.99.0"})
+    assert result.returncode == 1 and not calls
+    assert "no pin file patches/vllm-0.99.0/UPSTREAM" in result.stderr
+    assert "one of UPSTREAM's PINS=" in result.stderr
