@@ -54,9 +54,10 @@ def run(argv: list[str], *, timeout: float = 120, env_extra: dict[str, str] | No
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def upstream() -> dict[str, str]:
+def upstream(path: Path | None = None) -> dict[str, str]:
+    """The keys of a pin file: UPSTREAM (the default pin) unless ``path`` names another."""
     values = {}
-    for line in (ROOT / "UPSTREAM").read_text().splitlines():
+    for line in (path or ROOT / "UPSTREAM").read_text().splitlines():
         if line and not line.startswith("#") and "=" in line:
             key, value = line.split("=", 1)
             values[key.strip()] = value.strip()

@@ -171,18 +171,14 @@ def test_build_image_fails_when_the_install_check_fails(tmp_path):
     assert len(calls) == 2, "no relabelling after a failed check"
 
 
-def _pin_file(path: Path) -> dict[str, str]:
-    return dict(line.split("=", 1) for line in path.read_text().splitlines()
-                if line and not line.startswith("#") and "=" in line)
-
-
 @needs_git
 def test_build_image_of_the_second_pin_takes_its_pin_file(tmp_path):
     # DDTREE_VLLM picks a pin of UPSTREAM's PINS=: FROM its base image, its vLLM version
     # in the build arguments and the default tag.
-    second = [v for v in upstream()["PINS"].split() if v != upstream()["VLLM_VERSION"]]
+    default = upstream()
+    second = [v for v in default["PINS"].split() if v != default["VLLM_VERSION"]]
     assert second, "UPSTREAM's PINS= lists a second pin"
-    pins = _pin_file(ROOT / "patches" / f"vllm-{second[0]}" / "UPSTREAM")
+    pins = upstream(ROOT / "patches" / f"vllm-{second[0]}" / "UPSTREAM")
     assert pins["BASE_IMAGE"] == f"vllm/vllm-openai:v{second[0]}"
     result, calls = build_image(tmp_path, extra_env={"DDTREE_VLLM": second[0]})
     assert result.returncode == 0, result.stderr

@@ -110,10 +110,8 @@ def test_tree_sampler_takes_the_rejection_samplers_arguments():
     params = inspect.signature(DDTreeSampler.__call__).parameters
     assert list(params)[:len(want)] == want
     assert all(p.default is None for p in list(params.values())[len(want):])
-    from vllm.v1.worker.gpu.spec_decode import rejection_sampler
-
-    if "enable_adaptive_verification" in inspect.getsource(rejection_sampler):
-        assert DDTreeSampler.enable_adaptive_verification is False
+    # 0.33.0's kernel warm-up reads this from its rejection sampler.
+    assert DDTreeSampler.enable_adaptive_verification is False
 
 
 def test_fused_and_unfused_walks_give_the_same_runner_output(triton_device, monkeypatch):
