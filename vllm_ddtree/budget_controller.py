@@ -56,7 +56,11 @@ bucket that saw steps since: the best budget by the formula above, at the bucket
 mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
 bucket's largest batch, or above ``max_budget_by_batch`` (a cap by batch size, e.g.
 the user's ``ddtree_tokens_per_step`` schedule) anywhere in the bucket, are never
-chosen. Hysteresis: the choice changes only when the
+chosen. Drafting is weighed against budget 0 with ``drafting_margin`` (10 %): a
+drafting budget counts as ``1 / 1.1`` of its expected tokens/s there, since its
+estimate leaves out costs only drafting brings (its prefilling steps, switches,
+probes) while budget 0 is a plain decoding step; near break-even the engine decodes
+as plain decoding does. Hysteresis: the choice changes only when the
 best beats the current by more than ``margin`` (5 %) and the current has been held
 for ``min_hold_steps`` (32) of the bucket's steps; a bucket that switches back to the
 budget it just left (two budgets within noise of each other) doubles its margin each
@@ -319,6 +323,7 @@ class BudgetController:
         inference_weight: float = 0.1,
         refresh_steps: int = 16,
         margin: float = 0.05,
+        drafting_margin: float = 0.10,
         min_hold_steps: int = 32,
         probe_budget: int = 4,
         probe_steps: int = 6,
@@ -345,8 +350,8 @@ class BudgetController:
         if not 1 <= probe_interval_min <= probe_interval_max <= probe_spacing_max:
             raise ValueError("need 1 <= probe_interval_min <= probe_interval_max "
                              "<= probe_spacing_max")
-        if margin < 0 or prior_weight <= 0:
-            raise ValueError("need margin >= 0 and prior_weight > 0")
+        if margin < 0 or drafting_margin < 0 or prior_weight <= 0:
+            raise ValueError("need margin >= 0, drafting_margin >= 0 and prior_weight > 0")
         if not 0 < probe_cost_share <= 1:
             raise ValueError(f"probe_cost_share must lie in (0, 1], got {probe_cost_share}")
         self.levels: list[int] = lv
@@ -367,6 +372,7 @@ class BudgetController:
         self.inference_weight = float(inference_weight)
         self.refresh_steps = int(refresh_steps)
         self.margin = float(margin)
+        self.drafting_margin = float(drafting_margin)
         self.min_hold = int(min_hold_steps)
         drafting = [b for b in lv if b > 0]
         self.probe_budget = max([b for b in drafting if b <= probe_budget] or [drafting[0]])
@@ -546,16 +552,32 @@ class BudgetController:
 
     def _better(self, bk: _Bucket, est: dict) -> int | None:
         """The bucket's best budget if it beats the current choice by the bucket's
-        margin, else None. From off, only on measured evidence (the lower bound)."""
+        margin, else None. From off, only on measured evidence (the lower bound).
+        Scores are compared as :meth:`_weighed`: drafting against budget 0 must also
+        clear ``drafting_margin``."""
         cur = bk.choice
         if cur == 0:
             scores, best = est["scores_lower"], est["best_lower"]
         else:
             scores, best = est["scores"], est["best"]
+        weighed = self._weighed(scores)
         margin = 1.0 + self.margin * bk.margin_scale
-        if best != cur and scores[self._index[best]] > margin * scores[self._index[cur]]:
+        if best != cur and weighed[self._index[best]] > margin * weighed[self._index[cur]]:
             return best
         return None
+
+    def _weighed(self, scores: list[float]) -> list[float]:
+        """Expected tokens/s with every drafting budget's divided by ``1 +
+        drafting_margin``: budget 0 is a plain decoding step, whose cost the
+        controller measures as it is, while a drafting budget's estimate leaves out
+        costs only drafting brings (its steps that also prefill, which draft for the
+        whole batch; the steps between two budgets; the drafter's context written back
+        when drafting resumes; probes) and rests on acceptance that drifts. So the
+        engine drafts only where the estimates give drafting a clear lead, and near
+        break-even it decodes as plain decoding does instead of staking the user's
+        speed on the noise of its estimates."""
+        scale = 1.0 / (1.0 + self.drafting_margin)
+        return [s if b == 0 else s * scale for b, s in zip(self.levels, scores)]
 
     def _probe_candidates(self, bk: _Bucket) -> list[int]:
         """What the bucket may probe, in the order of its turn: ``probe_budget`` when
@@ -804,9 +826,10 @@ class BudgetController:
         def rank(accepted: list[float]) -> tuple[list[float], int]:
             scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
                       for a, t, ok in zip(accepted, step_ms, allowed)]
+            weighed = self._weighed(scores)
             best = 0
             for j in range(1, len(lv)):
-                if scores[j] > scores[best]:
+                if weighed[j] > weighed[best]:
                     best = j
             return scores, lv[best]
 
