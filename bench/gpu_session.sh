@@ -210,6 +210,8 @@ case "$step" in
     # ddtree-b64-t512" GOALS_TEMPERATURES=1 GOALS_ENGINE_ROUNDS=2 fits one call).
     # GOALS_INTERLEAVE=1: every engine alive at once, each cell's repeats taken in turns
     # (bench/run.py --interleave; bench/goals.py then judges on paired runs).
+    # GOALS_PROMPT_SETS: another set for a diagnosis (the goal table reads only the
+    # held-out sharegpt-untrained, the default).
     prepare
     inter=()
     [ "${GOALS_INTERLEAVE:-0}" = 1 ] && inter=(--interleave)
@@ -232,7 +234,7 @@ case "$step" in
       lengths="${GOALS_LENGTHS:-varied}"
     fi
     fixture_bench "goals-${GOALS_TAG:-r1}" 570 --configs "${configs[@]}" "${waves[@]}" \
-      --prompt-sets sharegpt-untrained --temperatures "${temps[@]}" \
+      --prompt-sets "${GOALS_PROMPT_SETS:-sharegpt-untrained}" --temperatures "${temps[@]}" \
       --batch-sizes "${sizes[@]}" --repeats "${GOALS_REPEATS:-3}" \
       --engine-rounds "${GOALS_ENGINE_ROUNDS:-1}" \
       --max-tokens "${GOALS_MAX_TOKENS:-192}" --cell-mode "${GOALS_MODE:-waves}" "${inter[@]}" \
