@@ -72,7 +72,8 @@ after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at le
 ``probe_steps`` (4) steps and ``probe_requests`` (64) tree-verifying requests, then
 decides with the new data. Drafting comes back on only on a measured lower bound (a
 budget accepts at least what a smaller one just measured), never on an extrapolation
-of a short probe. A bucket that drafts probes, in turn, budget 0 (what a step costs
+of a short probe, and only at a budget whose step time the bucket measured recently
+(a probe's, typically), never at one the start-up model alone prices. A bucket that drafts probes, in turn, budget 0 (what a step costs
 without drafting is what no drafting step's time tells: the drafter's share), and the
 next allowed budget above and below its choice (``probe_when_drafting``), so a
 pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
@@ -822,10 +823,18 @@ class BudgetController:
                 run = max(run, cell.fast_mean())
             lower.append(min(run, float(min(b, self.max_depth))))
         allowed = self._allowed(bk)
+        # ... and only to a budget whose step time this bucket measured recently: a
+        # budget never run here is priced by the start-up model, which on a host-bound
+        # engine prices a large tree like a small one (its verified tokens are cheap,
+        # its host work is not), so a probe of a small tree would turn on the largest.
+        # Larger budgets follow from there by the probes above the choice.
+        measured = [b == 0 or cell.weights(self._step, self.half_life,
+                                           self.shape_half_life)[0] >= MIN_WEIGHT
+                    for b, cell in zip(lv, bk.cost)]
 
-        def rank(accepted: list[float]) -> tuple[list[float], int]:
+        def rank(accepted: list[float], ok_lv: list[bool]) -> tuple[list[float], int]:
             scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
-                      for a, t, ok in zip(accepted, step_ms, allowed)]
+                      for a, t, ok in zip(accepted, step_ms, ok_lv)]
             weighed = self._weighed(scores)
             best = 0
             for j in range(1, len(lv)):
@@ -833,8 +842,8 @@ class BudgetController:
                     best = j
             return scores, lv[best]
 
-        scores, best = rank(acc)
-        scores_lower, best_lower = rank(lower)
+        scores, best = rank(acc, allowed)
+        scores_lower, best_lower = rank(lower, [a and m for a, m in zip(allowed, measured)])
         return {"batch": n_rep, "accepted": acc, "step_ms": step_ms,
                 "scores": scores, "best": best, "accepted_lower": lower,
                 "scores_lower": scores_lower, "best_lower": best_lower}

@@ -519,6 +519,30 @@ def test_near_break_even_a_host_bound_engine_decodes_as_plain_decoding(seed):
     assert set(choices[1000:]) == {0}
 
 
+def test_drafting_turns_on_only_at_a_budget_whose_step_time_was_measured():
+    # A host-bound engine whose start-up model prices every tree alike (its verified
+    # tokens are cheap) while each node costs host work. Drafting is off; steps that
+    # verified big trees and also prefilled a joining request (acceptance, no step
+    # time) say budget 32 accepts well. Priced by the model, 32 looked like a win and
+    # drafting came back on there (0.89x the speed of staying off); only a budget
+    # this bucket has timed may turn drafting on.
+    true = StartupCost(target_forward_ms=lambda t: 0.5 + 0.002 * t, drafter_ms=0.9,
+                       context_store_ms=0.02, tree_ms_per_step=0.4, tree_ms_per_node=0.006,
+                       host_ms=1.55)
+    ctl = controller(cost=HOST_BOUND_MODEL)
+    eng = Engine(ctl, seed=1, cost=true, transitions=True)
+    eng.run(3000, 4, quality=0.0)
+    assert ctl.choice_for(4) == 0
+    for _ in range(4):
+        ctl.observe(StepStats(4, 32, 9.0, accepted_depths=[2, 2, 1, 2], prefill_tokens=200,
+                              drafted_budget=32))
+    eng.pending = None
+    assert max(LEVELS, key=lambda b: tokens_per_s(4, b, true, 0.6)) == 0
+    assert tokens_per_s(4, 32, true, 0.6) < 0.9 * tokens_per_s(4, 0, true, 0.6)
+    eng.run(400, 4, quality=0.6)
+    assert set(eng.choices[-400:]) == {0}
+
+
 def test_drafting_margin_is_checked():
     with pytest.raises(ValueError, match="drafting_margin"):
         controller(drafting_margin=-0.1)
