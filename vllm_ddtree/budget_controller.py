@@ -851,12 +851,14 @@ class BudgetController:
     # ----------------------------------------------------------------- metrics
 
     def state(self) -> dict:
-        """Operator-facing state (JSON-serialisable): per bucket with steps, the
+        """Operator-facing state (JSON-serialisable): the margins it decides with, and
+        per bucket with steps, the
         chosen budget, whether it is probing, and per budget the estimated and
         measured (fast, decayed) acceptance, per-depth hit rates of the measured
         budgets, the step-time estimate and the expected tokens/s."""
         out = {"step": self._step, "version": self.version, "levels": list(self.levels),
-               "half_life_steps": self.half_life, "buckets": {}}
+               "half_life_steps": self.half_life, "margin": self.margin,
+               "drafting_margin": self.drafting_margin, "buckets": {}}
         for i, bk in enumerate(self._buckets):
             if bk.steps == 0:
                 continue

@@ -543,9 +543,11 @@ def test_drafting_turns_on_only_at_a_budget_whose_step_time_was_measured():
     assert set(eng.choices[-400:]) == {0}
 
 
-def test_drafting_margin_is_checked():
+def test_drafting_margin_is_checked_and_reported():
     with pytest.raises(ValueError, match="drafting_margin"):
         controller(drafting_margin=-0.1)
+    state = controller(drafting_margin=0.2).state()
+    assert (state["margin"], state["drafting_margin"]) == (0.05, 0.2)
 
 
 def test_a_batch_size_range_seen_first_decides_from_the_others_at_once():
