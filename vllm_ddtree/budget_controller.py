@@ -73,8 +73,9 @@ after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at le
 decides with the new data. Drafting comes back on only on a measured lower bound (a
 budget accepts at least what a smaller one just measured), never on an extrapolation
 of a short probe, and only at a budget whose step time the bucket measured recently
-(a probe's, typically), never at one the start-up model alone prices. A bucket that drafts probes, in turn, budget 0 (what a step costs
-without drafting is what no drafting step's time tells: the drafter's share), and the
+(a probe's, typically), never at one the start-up model alone prices. A bucket that
+drafts probes, in turn, budget 0 (what a step costs without drafting is what no
+drafting step's time tells: the drafter's share), and the
 next allowed budget above and below its choice (``probe_when_drafting``), so a
 pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
 changes nothing doubles the interval (from ``probe_interval_min`` = 32 up to
@@ -554,14 +555,13 @@ class BudgetController:
     def _better(self, bk: _Bucket, est: dict) -> int | None:
         """The bucket's best budget if it beats the current choice by the bucket's
         margin, else None. From off, only on measured evidence (the lower bound).
-        Scores are compared as :meth:`_weighed`: drafting against budget 0 must also
-        clear ``drafting_margin``."""
+        Scores are compared as :meth:`_weighed` (the estimate's ``weighed``): drafting
+        against budget 0 must also clear ``drafting_margin``."""
         cur = bk.choice
         if cur == 0:
-            scores, best = est["scores_lower"], est["best_lower"]
+            weighed, best = est["weighed_lower"], est["best_lower"]
         else:
-            scores, best = est["scores"], est["best"]
-        weighed = self._weighed(scores)
+            weighed, best = est["weighed"], est["best"]
         margin = 1.0 + self.margin * bk.margin_scale
         if best != cur and weighed[self._index[best]] > margin * weighed[self._index[cur]]:
             return best
@@ -832,7 +832,8 @@ class BudgetController:
                                            self.shape_half_life)[0] >= MIN_WEIGHT
                     for b, cell in zip(lv, bk.cost)]
 
-        def rank(accepted: list[float], ok_lv: list[bool]) -> tuple[list[float], int]:
+        def rank(accepted: list[float],
+                 ok_lv: list[bool]) -> tuple[list[float], list[float], int]:
             scores = [n_rep * (a + 1.0) * 1e3 / t if ok else 0.0
                       for a, t, ok in zip(accepted, step_ms, ok_lv)]
             weighed = self._weighed(scores)
@@ -840,22 +841,23 @@ class BudgetController:
             for j in range(1, len(lv)):
                 if weighed[j] > weighed[best]:
                     best = j
-            return scores, lv[best]
+            return scores, weighed, lv[best]
 
-        scores, best = rank(acc, allowed)
-        scores_lower, best_lower = rank(lower, [a and m for a, m in zip(allowed, measured)])
+        scores, weighed, best = rank(acc, allowed)
+        scores_lower, weighed_lower, best_lower = rank(
+            lower, [a and m for a, m in zip(allowed, measured)])
         return {"batch": n_rep, "accepted": acc, "step_ms": step_ms,
-                "scores": scores, "best": best, "accepted_lower": lower,
-                "scores_lower": scores_lower, "best_lower": best_lower}
+                "scores": scores, "weighed": weighed, "best": best, "accepted_lower": lower,
+                "scores_lower": scores_lower, "weighed_lower": weighed_lower,
+                "best_lower": best_lower}
 
     # ----------------------------------------------------------------- metrics
 
     def state(self) -> dict:
         """Operator-facing state (JSON-serialisable): the margins it decides with, and
-        per bucket with steps, the
-        chosen budget, whether it is probing, and per budget the estimated and
-        measured (fast, decayed) acceptance, per-depth hit rates of the measured
-        budgets, the step-time estimate and the expected tokens/s."""
+        per bucket with steps, the chosen budget, whether it is probing, and per budget
+        the estimated and measured (fast, decayed) acceptance, per-depth hit rates of
+        the measured budgets, the step-time estimate and the expected tokens/s."""
         out = {"step": self._step, "version": self.version, "levels": list(self.levels),
                "half_life_steps": self.half_life, "margin": self.margin,
                "drafting_margin": self.drafting_margin, "buckets": {}}
