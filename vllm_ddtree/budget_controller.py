@@ -49,6 +49,17 @@ made non-decreasing in ``b`` (a larger tree never costs less). Steps that also
 prefilled (``prefill_tokens > 0``), and steps that verified one budget and drafted
 another (``drafted_budget``), feed acceptance but not cost.
 
+**Home bucket.** At constant concurrency the batch dips below its bucket's range
+for a step or two whenever a request finishes and before its successor joins (16 ->
+15), so by range alone two buckets would take turns: the one below sees only those
+steps, decides from them (or holds the start-up prior), and where it decides
+otherwise every dip switches the budget, each switch a step between two budgets. The
+*home* bucket is that of the largest batch of the last ``home_window_steps`` (32)
+observed steps; a batch at most two requests or a quarter below that largest batch
+(whichever is more: 48 for 64, 12 for 16, 2 for 4) runs the home's budget and feeds
+its statistics (a user's cap by batch size still holds there). A batch that stays
+lower for a window moves the home, and its own range decides again.
+
 **Decision.** Every ``refresh_steps`` observed steps (and when a probe ends, and at a
 bucket's first step, so that a batch size range seen for the first time decides from
 what the other buckets measured instead of holding the start-up prior), for each
@@ -106,6 +117,7 @@ the expected tokens/s.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Union
@@ -335,6 +347,7 @@ class BudgetController:
         probe_when_drafting: bool = True,
         probe_cost_share: float = 0.01,
         probe_spacing_max: int = 4096,
+        home_window_steps: int = 32,
     ) -> None:
         if max_budget < 1 or max_depth < 1 or max_batch_size < 1:
             raise ValueError("max_budget, max_depth and max_batch_size must be >= 1")
@@ -356,6 +369,8 @@ class BudgetController:
             raise ValueError("need margin >= 0, drafting_margin >= 0 and prior_weight > 0")
         if not 0 < probe_cost_share <= 1:
             raise ValueError(f"probe_cost_share must lie in (0, 1], got {probe_cost_share}")
+        if home_window_steps < 0:
+            raise ValueError(f"home_window_steps must be >= 0, got {home_window_steps}")
         self.levels: list[int] = lv
         self._index = {b: i for i, b in enumerate(lv)}
         self.max_depth = int(max_depth)
@@ -385,6 +400,13 @@ class BudgetController:
         self.probe_interval_max = int(probe_interval_max)
         self.probe_cost_share = float(probe_cost_share)
         self.probe_spacing_max = int(probe_spacing_max)
+        self.home_window = int(home_window_steps)
+        # The home bucket: that of the largest batch of the last home_window steps
+        # (a sliding maximum: (step, batch) pairs with decreasing batches), and the
+        # smallest batch it decides for.
+        self._window: collections.deque = collections.deque()
+        self._home: int | None = None
+        self._floor = 0
         self._step = 0
         self.version = 0
         self._model_cache: dict[int, list[float]] = {}
@@ -402,13 +424,50 @@ class BudgetController:
     # ------------------------------------------------------------------ reading
 
     def bucket_of(self, batch_size: int) -> int:
+        """The bucket of ``batch_size`` by its range alone (1, 2-3, 4-7, ...)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return min(batch_size, self.max_batch_size).bit_length() - 1
 
+    def home_floor(self) -> int | None:
+        """The smallest batch size the home bucket decides for: the window's largest
+        batch ``M`` less two requests or a quarter of ``M``, whichever is more (48 for
+        ``M`` = 64, 12 for 16, 2 for 4, 1 for 2); None without a home."""
+        return None if self._home is None else self._floor
+
+    def effective_bucket(self, batch_size: int) -> int:
+        """The bucket that decides and learns for ``batch_size``: the home bucket
+        (:attr:`home`) for a batch that dipped at most :meth:`home_floor` below the
+        window's largest, as a batch at constant concurrency does for a step or two
+        between a request that finished and the one that joins; else the batch
+        size's own."""
+        own = self.bucket_of(batch_size)
+        h = self._home
+        if h is not None and h > own and batch_size >= self._floor:
+            return h
+        return own
+
+    @property
+    def home(self) -> str | None:
+        """The home bucket's range ("64-127"), None before any step or without one."""
+        if self._home is None:
+            return None
+        bk = self._buckets[self._home]
+        return f"{bk.lo}-{bk.hi}"
+
     def budget_for(self, batch_size: int) -> int:
         """The budget to verify at ``batch_size`` (a list lookup)."""
-        return self._table[self.bucket_of(batch_size)]
+        i = self.effective_bucket(batch_size)
+        budget = self._table[i]
+        if i != self.bucket_of(batch_size) and not self._fits_cap(batch_size, budget):
+            return self._table[self.bucket_of(batch_size)]
+        return budget
+
+    def _fits_cap(self, batch_size: int, budget: int) -> bool:
+        """Whether ``max_budget_by_batch`` allows ``budget`` at ``batch_size`` (a
+        home bucket's choice is allowed over the home's range, not below it)."""
+        caps = self.max_budget_by_batch
+        return caps is None or budget <= caps[min(batch_size, len(caps) - 1)]
 
     @property
     def steps(self) -> int:
@@ -418,13 +477,23 @@ class BudgetController:
     def choice_for(self, batch_size: int) -> int:
         """The budget chosen for ``batch_size``'s bucket: :meth:`budget_for` except
         while a probe verifies another budget for a few steps."""
-        return self._buckets[self.bucket_of(batch_size)].choice
+        return self._buckets[self.effective_bucket(batch_size)].choice
 
     def budget_table(self, max_batch: int | None = None) -> list[int]:
         """Budget by batch size, index = batch size (index 0 unused, 0): the layout of
         the scheduler's ``dynamic_sd_lookup``."""
         n_max = self.max_batch_size if max_batch is None else max_batch
-        return [0] + [self._table[self.bucket_of(n)] for n in range(1, n_max + 1)]
+        table = [0] * (n_max + 1)
+        for i, bk in enumerate(self._buckets):
+            hi = n_max if i == len(self._buckets) - 1 else min(bk.hi, n_max)
+            if bk.lo <= hi:
+                table[bk.lo:hi + 1] = [self._table[i]] * (hi - bk.lo + 1)
+        h = self._home
+        if h is not None:
+            # The batch sizes below the home's range that it decides for.
+            for n in range(self._floor, min(self._buckets[h].lo, n_max + 1)):
+                table[n] = self.budget_for(n)
+        return table
 
     # ---------------------------------------------------------------- observing
 
@@ -441,7 +510,9 @@ class BudgetController:
             raise ValueError(f"drafted budget {stats.drafted_budget} is not one of the "
                              f"levels {self.levels}")
         hits = self._depth_hits(stats, b, n)
-        i = self.bucket_of(n)
+        # The bucket whose budget the step ran (the table it was scheduled from had
+        # the home bucket this step has not moved yet).
+        i = self.effective_bucket(n)
         bk = self._buckets[i]
         changed = False
         if bk.steps == 0 and self._step > 0:
@@ -487,9 +558,29 @@ class BudgetController:
             for j, other in enumerate(self._buckets):
                 if other.dirty:
                     changed |= self._refresh(j)
+        changed |= self._move_home(now, n)
         if changed:
             self.version += 1
         return changed
+
+    def _move_home(self, now: int, n: int) -> bool:
+        """The sliding maximum of the batch over the last ``home_window`` steps, and
+        the home bucket from it; True when the home moved (the table then maps other
+        batch sizes to other buckets)."""
+        if self.home_window == 0:
+            return False
+        w = self._window
+        while w and w[-1][1] <= n:
+            w.pop()
+        w.append((now, n))
+        while w[0][0] <= now - self.home_window:
+            w.popleft()
+        m = w[0][1]
+        home, floor = self.bucket_of(m), max(1, min(m - 2, m - m // 4))
+        if (home, floor) == (self._home, self._floor):
+            return False
+        self._home, self._floor = home, floor
+        return True
 
     def _depth_hits(self, stats: StepStats, b: int, n: int) -> list[int] | None:
         cap = min(b, self.max_depth)
@@ -860,7 +951,8 @@ class BudgetController:
         the measured budgets, the step-time estimate and the expected tokens/s."""
         out = {"step": self._step, "version": self.version, "levels": list(self.levels),
                "half_life_steps": self.half_life, "margin": self.margin,
-               "drafting_margin": self.drafting_margin, "buckets": {}}
+               "drafting_margin": self.drafting_margin, "home": self.home,
+               "home_window_steps": self.home_window, "buckets": {}}
         for i, bk in enumerate(self._buckets):
             if bk.steps == 0:
                 continue

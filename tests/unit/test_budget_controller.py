@@ -339,6 +339,96 @@ def test_large_batches_off_while_small_ones_draft():
     assert table[1] == analytic_best(1) and table[130] == 0 and table[0] == 0
 
 
+def steady_batches(steps: int, n: int, seed: int, finish_every: float = 3.0) -> list[int]:
+    """Batch sizes at constant concurrency ``n``: a request finishes now and then (on
+    average every ``finish_every`` steps) and its successor joins one or two steps
+    later, so the batch sits at ``n`` with dips to ``n - 1`` or ``n - 2``."""
+    rng = random.Random(seed)
+    out, missing = [], []
+    for _ in range(steps):
+        missing = [m - 1 for m in missing if m > 1]
+        if rng.random() < 1.0 / finish_every:
+            missing.append(rng.choice((1, 2)))
+        out.append(n - len(missing))
+    return out
+
+
+def simulated_tokens_per_s(trace: list[tuple[int, int]], quality: float) -> float:
+    """Expected tokens/s of a (batch, budget) trace under the true cost."""
+    tokens = sum(n * (expected_accepted(b, quality) + 1) for n, b in trace)
+    return tokens * 1e3 / sum(TRUE_COST(n, b) for n, b in trace)
+
+
+# Cells where the range below the home decides otherwise than the home (on the old
+# mapping by batch size alone: 917, 913 and 721 budget changes in 2500 steps).
+@pytest.mark.parametrize("n, seed, quality", [(16, 0, 0.5), (64, 2, 1.0), (4, 3, 0.5)])
+def test_a_steady_batch_that_dips_below_its_range_keeps_one_decision(n, seed, quality):
+    """At constant concurrency the batch dips below its bucket's range for a step or
+    two whenever a request finishes (16 -> 15 or 14). Those steps run the home
+    bucket's budget and feed its statistics; the range below would otherwise decide
+    on its own, from the few dip steps it sees, and where it decides otherwise the
+    engine switches budget at every dip, each switch a step between two budgets."""
+    batches = steady_batches(3000, n, seed)
+    assert min(batches) < n and sum(b < n for b in batches) > 300
+
+    def run(**kw):
+        ctl = controller(**kw)
+        eng = Engine(ctl, seed=seed, transitions=True)
+        for b in batches:
+            eng.step(b, quality)
+        return ctl, eng
+
+    ctl, eng = run()
+    assert ctl.home == f"{n}-{2 * n - 1}" and ctl.home_floor() == n - max(2, n // 4)
+    st = ctl.state()
+    assert st["home"] == ctl.home and st["home_window_steps"] == 32
+    below = st["buckets"].get(f"{n // 2}-{n - 1}", {"steps": 0})
+    assert below["steps"] <= 32  # the first window only, before the home was set
+    trace = eng.trace[500:]
+    # A dip step runs the choice of the steps around it: the budget changes only for
+    # the home's probes.
+    assert changes(eng.choices[500:]) <= 2
+    assert changes([b for _, b in trace]) <= 16
+    # Without the home bucket the dips switch budgets (the test fails on the old
+    # mapping by batch size alone), and no faster.
+    old, old_eng = run(home_window_steps=0)
+    assert old.home is None and old.home_floor() is None
+    assert changes([b for _, b in old_eng.trace[500:]]) > 200
+    assert simulated_tokens_per_s(trace, quality) >= 0.99 * simulated_tokens_per_s(
+        old_eng.trace[500:], quality)
+
+
+def test_the_home_follows_a_batch_that_shrinks_for_good():
+    """A batch that drops for longer than the window (a wave draining, a load
+    falling) is decided by its own range again."""
+    ctl = controller()
+    eng = Engine(ctl, seed=5)
+    eng.run(200, 64)
+    assert ctl.home == "64-127" and ctl.effective_bucket(50) == ctl.bucket_of(64)
+    eng.run(31, 50)
+    assert ctl.home == "64-127"  # within the window: still a dip
+    eng.run(2, 50)
+    assert ctl.home == "32-63" and ctl.effective_bucket(50) == ctl.bucket_of(50)
+    # 47 is more than a quarter below 64: never the home's.
+    eng.run(100, 64)
+    assert ctl.effective_bucket(47) == ctl.bucket_of(47)
+    table = ctl.budget_table(100)
+    assert table == [0] + [ctl.budget_for(k) for k in range(1, 101)]
+
+
+def test_a_home_choice_above_the_cap_of_a_dip_is_not_used_there():
+    # The user's schedule caps batch 12-15 at 4 and allows 16 at 16-31: a dip to 14
+    # from a home bucket drafting 16 uses its own range's budget.
+    caps = [0] + [64] * 11 + [4] * 4 + [16] * 16
+    ctl = controller(max_batch_size=31, max_budget_by_batch=caps)
+    eng = Engine(ctl, seed=6)
+    eng.run(400, 16)
+    assert ctl.home == "16-31" and ctl.budget_for(16) > 4
+    assert ctl.budget_for(14) <= 4 and ctl.budget_table()[14] <= 4
+    with pytest.raises(ValueError, match="home_window_steps"):
+        controller(home_window_steps=-1)
+
+
 # ------------------------------------------------------------ 6. determinism
 
 
