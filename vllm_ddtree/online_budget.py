@@ -184,6 +184,7 @@ class OnlineBudget:
         self.report_path = env.budget_report_path()
         self.steps_observed = 0
         self._metrics: dict | None = None
+        self._metrics_sent = False
         self._trace = collections.deque(maxlen=TRACE_STEPS) if self.report_path else None
         logger.info("DDTree online budget: levels %s, start %s", self.levels,
                     table_ranges(self.lookup))
@@ -289,6 +290,7 @@ class OnlineBudget:
             self._changed_since_log = True
         if changed or self.steps_observed % METRICS_REFRESH_STEPS == 0:
             self._metrics = None
+            self._metrics_sent = False
         if self._changed_since_log and now - self._last_log_t >= LOG_INTERVAL_S:
             self._last_log_t = now
             self._changed_since_log = False
@@ -308,14 +310,27 @@ class OnlineBudget:
             self.controller.log_line()
 
     def metrics(self) -> dict:
-        """What ``/metrics`` shows (:mod:`vllm_ddtree.metrics`), per sampling class: the
-        scheduler's stats carry it every step, so it is cached between refreshes."""
+        """What ``/metrics`` shows (:mod:`vllm_ddtree.metrics`), per sampling class;
+        rebuilt when the budget table changes and every ``METRICS_REFRESH_STEPS``
+        steps, cached between."""
         if self._metrics is None:
             from vllm_ddtree.metrics import budget_metrics
 
             self._metrics = {"sampling": {c: budget_metrics(ctl.state())
                                           for c, ctl in self._active()}}
         return self._metrics
+
+    def metrics_update(self) -> dict | None:
+        """:meth:`metrics` when it was rebuilt since the last call, else None: what the
+        scheduler puts into each step's ``SchedulerStats``. Prometheus gauges keep
+        their last value, so a step that changed nothing sends nothing: the dict
+        (per class, bucket and measured budget: ~150 numbers) is serialised to the
+        front end and set gauge by gauge there, which every step cost a host-bound
+        engine a few per cent of its step (``bench/online_budget_host.py``)."""
+        if self._metrics_sent and self._metrics is not None:
+            return None
+        self._metrics_sent = True
+        return self.metrics()
 
     def state(self) -> dict:
         """The current class's controller state (:meth:`BudgetController.state`), the

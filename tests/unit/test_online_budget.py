@@ -87,6 +87,7 @@ class Serving:
         self.rng = random.Random(seed)
         self.req_ids: list[str] = []
         self.add(num_requests, temperature)
+        self.stats: list = []  # the SchedulerStats of each step (log_stats)
         self.scheduled: list[int] = []  # num_spec_tokens_to_schedule per step
 
     def add(self, num_requests: int, temperature: float) -> None:
@@ -120,9 +121,11 @@ class Serving:
                 sampled.append([7] * (1 + accepted))
             verified.append(drafts_max)
             self.clock.t += step_ms(len(req_ids), drafts_max) / 1e3
-            self.s.update_from_output(out, ModelRunnerOutput(
+            outputs = self.s.update_from_output(out, ModelRunnerOutput(
                 req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=sampled))
+            self.stats.extend(o.scheduler_stats for o in outputs.values()
+                              if o.scheduler_stats is not None)
         return verified
 
 
@@ -319,13 +322,23 @@ def test_the_budget_reaches_vllms_prometheus_metrics(models, h200):
 
     cfg = _config(models)
     s = _scheduler(cfg, log_stats=True)
-    Serving(s, 4, seed=3).run(300, quality=0.0)
-    stats = s.make_stats()
+    serving = Serving(s, 4, seed=3)
+    serving.run(300, quality=0.0)
+    # Each step's stats carry the summary only when it was rebuilt (a table change,
+    # or every METRICS_REFRESH_STEPS steps): Prometheus gauges keep their values, so
+    # the steps between send nothing to serialise and set.
+    from vllm_ddtree.online_budget import METRICS_REFRESH_STEPS
+
+    sent = [st.ddtree_budget for st in serving.stats if st.ddtree_budget is not None]
+    assert len(serving.stats) == 300
+    assert 300 // METRICS_REFRESH_STEPS <= len(sent) <= 60
+    assert sent[-1] == s.ddtree_budget.metrics()
     # Serving's requests are sampled (T=1): the sampled class's controller.
-    assert list(stats.ddtree_budget["sampling"]) == ["sampled"]
-    assert stats.ddtree_budget["sampling"]["sampled"]["budget"]["4-7"] == s.dynamic_sd_lookup[4]
+    assert list(sent[-1]["sampling"]) == ["sampled"]
+    assert sent[-1]["sampling"]["sampled"]["budget"]["4-7"] == s.dynamic_sd_lookup[4]
     logger = PrometheusStatLogger(cfg)
-    logger.record(stats, None)
+    for st in serving.stats:
+        logger.record(st, None)
     text = prometheus_client.generate_latest().decode()
     budget = [line for line in text.splitlines()
               if line.startswith("vllm:ddtree_budget{") and 'bucket="4-7"' in line
@@ -337,6 +350,13 @@ def test_the_budget_reaches_vllms_prometheus_metrics(models, h200):
     measured = [line for line in text.splitlines()
                 if line.startswith("vllm:ddtree_accepted_tokens_per_step{")]
     assert measured and all(line.endswith(" 0.0") for line in measured)
+    # A step that sent nothing leaves the gauges as they were.
+    assert serving.stats[-1].ddtree_budget is None or s.make_stats().ddtree_budget is None
+    def ddtree_lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("vllm:ddtree_")]
+
+    logger.record(s.make_stats(), None)
+    assert ddtree_lines(prometheus_client.generate_latest().decode()) == ddtree_lines(text)
 
 
 def test_the_summary_survives_the_engine_core_to_front_end_message():
