@@ -98,7 +98,8 @@ probe (``L``: its length; ``share``: ``probe_cost_share`` = 1 % split between th
 bucket's candidates), so probing costs at most ~1 % of the time even where drafting
 costs most (a drafting step of an 8B-shaped target at batch 64 that accepts nothing
 takes ~3x a step without drafts; at batch 1 a probe is 64 steps long) and a probe
-expected to pay is not delayed. So a workload change is noticed within about
+expected to pay is not delayed. A budget the bucket never ran is priced by the nearest
+bucket's measurement of it, if any (else it waits the doubling interval alone). So a workload change is noticed within about
 ``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and within
 ``probe_spacing_max`` (4096) where a probe is dear for its length.
 
@@ -726,15 +727,22 @@ class BudgetController:
         drafting step costs 1.7x one without drafts, as on a small target whose host
         sets the pace, 1024 steps between such probes spent ~4 % of the time); 0
         (the doubling interval alone) for a budget without a measurement in the slow
-        statistics, whose estimate is the prior's or the start-up model's."""
+        statistics, whose estimate is the prior's or the start-up model's. A budget
+        this bucket never ran, but the nearest bucket with data measured (acceptance
+        and step time), is priced as measured: a batch size reached for the first time
+        decides from its neighbours' measurements (:meth:`observe`), and probes what
+        they found dear no sooner than its own measurement would let it (an 8B-shaped
+        target that accepts nothing probed each new batch size's budget 4 within its
+        first 64-step wave, at 2.8x a step without drafts at batch 64)."""
         li = self._index[target]
-        now = self._step
-        measured = bk.cost[li].weights(now, self.half_life, self.shape_half_life)[1]
-        if target > 0:
-            measured = min(measured, bk.acc[li].weights(now, self.half_life,
-                                                        self.shape_half_life)[1])
-        if measured < MIN_WEIGHT:
-            return 0  # never measured (or long ago): the estimate has nothing to price
+        if not self._measured(bk, li, target):
+            i = bk.lo.bit_length() - 1
+            near = next((self._buckets[j] for dist in range(1, len(self._buckets))
+                         for j in (i - dist, i + dist)
+                         if 0 <= j < len(self._buckets)
+                         and any(c.fast_w > 0 for c in self._buckets[j].acc)), None)
+            if target == 0 or near is None or not self._measured(near, li, target):
+                return 0  # never measured (or long ago): nothing to price it with
         scores = est["scores"]
         cur, new = scores[self._index[bk.choice]], scores[li]
         if not new > 0:
@@ -744,6 +752,16 @@ class BudgetController:
         share = self.probe_cost_share / max(1, parts)
         steps = extra * (self.probe_length(bk, target) + 2) / share
         return min(self.probe_spacing_max, math.ceil(steps))
+
+    def _measured(self, bk: _Bucket, li: int, target: int) -> bool:
+        """Whether ``bk``'s slow statistics hold a measurement of level ``li``: its
+        step time, and for a drafting budget its acceptance."""
+        now = self._step
+        measured = bk.cost[li].weights(now, self.half_life, self.shape_half_life)[1]
+        if target > 0:
+            measured = min(measured, bk.acc[li].weights(now, self.half_life,
+                                                        self.shape_half_life)[1])
+        return measured >= MIN_WEIGHT
 
     def _end_probe(self, i: int) -> bool:
         """A probe's data is in: switch if the bucket's best now beats its choice by

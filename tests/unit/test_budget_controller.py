@@ -661,3 +661,23 @@ def test_a_batch_size_range_seen_first_decides_from_the_others_at_once():
     # The same at batch 16 straight after.
     budgets = eng.run(64, 16, quality=0.02)
     assert budgets[2:34] == [0] * 32
+
+
+def test_a_new_batch_size_prices_its_first_probe_by_what_its_neighbours_measured():
+    """Nothing is accepted (an 8B-shaped target with dummy weights): batch 1 learned
+    it and turned drafting off. Each batch size reached next (one 64-step wave each,
+    as a benchmark cell) decides off at once from that, and probes budget 4 no sooner
+    than batch 1's measurement of it prices such a probe: not within the wave (it
+    did, at the bucket's 32nd step, before). Later it still probes."""
+    ctl = controller()
+    eng = Engine(ctl, seed=3)
+    eng.run(600, 1, quality=0.02)
+    assert ctl.budget_for(1) == 0
+    for n in (4, 16, 64):
+        budgets = eng.run(64, n, quality=0.02)
+        assert budgets[2:] == [0] * 62, (n, budgets)
+        assert ctl.state()["buckets"][f"{n}-{2 * n - 1}"]["probes"] == 0
+    # Priced, not never: a long stretch at batch 16 probes (at most ~1 % of its time).
+    budgets = eng.run(3000, 16, quality=0.02)
+    probes = ctl.state()["buckets"]["16-31"]["probes"]
+    assert probes >= 1 and sum(b > 0 for b in budgets) <= 0.02 * 3000
