@@ -2,8 +2,10 @@
 counters (patch ``core_ddtree-online-budget``).
 
 The engine core's scheduler puts :meth:`vllm_ddtree.online_budget.OnlineBudget.metrics`
-(a small dict, refreshed when the budget table changes and every
-``METRICS_REFRESH_STEPS`` steps) into vLLM's ``SchedulerStats.ddtree_budget``; the
+(a small dict, rebuilt when the budget table changes and every
+``METRICS_REFRESH_STEPS`` steps) into vLLM's ``SchedulerStats.ddtree_budget`` of the
+steps that rebuilt it (:meth:`~vllm_ddtree.online_budget.OnlineBudget.metrics_update`;
+None in the others, whose gauges keep their values); the
 front end's ``PrometheusStatLogger`` hands it to :class:`DDTreeBudgetProm`, which
 sets, per engine, sampling class (``sampling="greedy"``: steps whose requests are all
 greedy, ``"sampled"``: steps with a sampled request; each class has its own
