@@ -566,8 +566,8 @@ class BudgetController:
 
     def _move_home(self, now: int, n: int) -> bool:
         """The sliding maximum of the batch over the last ``home_window`` steps, and
-        the home bucket from it; True when the home moved (the table then maps other
-        batch sizes to other buckets)."""
+        the home bucket from it; True when that changed the table (a batch size now
+        decided by a bucket of another budget)."""
         if self.home_window == 0:
             return False
         w = self._window
@@ -580,8 +580,29 @@ class BudgetController:
         home, floor = self.bucket_of(m), max(1, min(m - 2, m - m // 4))
         if (home, floor) == (self._home, self._floor):
             return False
+        before = self._extension()
         self._home, self._floor = home, floor
-        return True
+        after = self._extension()
+        # The table changes only where a batch size changed bucket and the two buckets'
+        # budgets differ there (a batch draining a step at a time moves the floor
+        # every step, mostly between buckets of one budget).
+        return any(self._entry(n, before) != self._entry(n, after)
+                   for n in set(before) ^ set(after))
+
+    def _extension(self) -> dict[int, int]:
+        """The batch sizes below the home's range that the home decides for, with the
+        home's bucket index."""
+        if self._home is None:
+            return {}
+        return dict.fromkeys(range(self._floor, self._buckets[self._home].lo), self._home)
+
+    def _entry(self, n: int, extension: dict[int, int]) -> int:
+        """The table's budget at batch size ``n`` under ``extension``."""
+        own = self._table[self.bucket_of(n)]
+        h = extension.get(n)
+        if h is None or not self._fits_cap(n, self._table[h]):
+            return own
+        return self._table[h]
 
     def _depth_hits(self, stats: StepStats, b: int, n: int) -> list[int] | None:
         cap = min(b, self.max_depth)

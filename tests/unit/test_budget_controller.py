@@ -681,3 +681,31 @@ def test_a_new_batch_size_prices_its_first_probe_by_what_its_neighbours_measured
     budgets = eng.run(3000, 16, quality=0.02)
     probes = ctl.state()["buckets"]["16-31"]["probes"]
     assert probes >= 1 and sum(b > 0 for b in budgets) <= 0.02 * 3000
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_lookup_is_rewritten_exactly_when_the_home_changes_it(seed):
+    """The engine rewrites the scheduler's lookup only when observe() says the table
+    changed. Waves that drain a request at a time move the home's floor every step;
+    the lookup kept that way always equals the table, and a drain between buckets of
+    one budget rewrites it no more than a few times."""
+    rng = random.Random(seed)
+    caps = [0] + [64] * 20 + [8] * 20 + [64] * 100  # a cap that differs inside a range
+    ctl = controller(max_batch_size=140, max_budget_by_batch=caps)
+    eng = Engine(ctl, seed=seed)
+    lookup = ctl.budget_table()
+    rewrites = 0
+    for _ in range(6):
+        top = rng.choice((16, 40, 64, 100, 140))
+        for n in [top] * 200 + list(range(top, 0, -1)):
+            b = lookup[n]
+            assert b == ctl.budget_for(n)
+            stats = StepStats(n, b, TRUE_COST(n, b),
+                              accepted_depths=[eng.depth(b, 1.0) for _ in range(n)] if b else None)
+            if ctl.observe(stats):
+                lookup = ctl.budget_table()
+                rewrites += 1
+            assert lookup == ctl.budget_table()
+    assert ctl.home is not None
+    # A refresh changes the table now and then; a drain's floor steps mostly do not.
+    assert rewrites < 6 * 40
