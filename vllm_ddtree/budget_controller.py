@@ -1019,6 +1019,25 @@ class BudgetController:
             }
         return out
 
+    def summary(self) -> dict:
+        """What the ``/metrics`` gauges show (:mod:`vllm_ddtree.metrics`), per bucket
+        with steps: the chosen ``budget``, the ``expected_tokens_per_step`` there
+        (accepted + 1) and the ``accepted_measured`` per budget; the same numbers as
+        :meth:`state`, without the rest of it (a quarter of its time)."""
+        out: dict = {"budget": {}, "expected_tokens_per_step": {}, "accepted_measured": {}}
+        for i, bk in enumerate(self._buckets):
+            if bk.steps == 0:
+                continue
+            est = bk.estimate if bk.estimate is not None else self._estimate(i)
+            name, chosen = f"{bk.lo}-{bk.hi}", self._table[i]
+            out["budget"][name] = chosen
+            out["expected_tokens_per_step"][name] = round(
+                1.0 + round(est["accepted"][self._index[chosen]], 4), 4)
+            out["accepted_measured"][name] = {
+                str(b): round(cell.fast_mean(), 4)
+                for b, cell in zip(self.levels, bk.acc) if b > 0 and cell.fast_w > 0}
+        return out
+
     def log_line(self) -> str:
         """One line for the log: budget by bucket with its expected tokens/s and
         acceptance, e.g. ``ddtree budget: 1-1: 16 (tau 2.10, 143 tok/s), 64-127: 0``."""

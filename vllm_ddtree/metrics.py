@@ -26,19 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def budget_metrics(state: dict) -> dict[str, Any]:
-    """The parts of :meth:`BudgetController.state` the gauges show."""
-    out: dict[str, Any] = {"budget": {}, "expected_tokens_per_step": {},
-                           "accepted_measured": {}}
-    for bucket, b in state.get("buckets", {}).items():
-        chosen = b["budget"]
-        out["budget"][bucket] = chosen
-        out["expected_tokens_per_step"][bucket] = round(
-            1.0 + float(b["accepted"].get(str(chosen), 0.0)), 4)
-        out["accepted_measured"][bucket] = dict(b.get("accepted_measured", {}))
-    return out
-
-
 class DDTreeBudgetProm:
     """The gauges (module docstring), built like vLLM's own metric families."""
 
@@ -63,7 +50,8 @@ class DDTreeBudgetProm:
             labelnames=labelnames + ["sampling", "bucket", "budget"])
 
     def observe(self, metrics: dict[str, Any], engine_idx: int = 0) -> None:
-        """``metrics``: :meth:`OnlineBudget.metrics`, :func:`budget_metrics` by class."""
+        """``metrics``: :meth:`OnlineBudget.metrics` (each class's
+        :meth:`BudgetController.summary`)."""
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for sampling, m in metrics.get("sampling", {}).items():
             for bucket, budget in m.get("budget", {}).items():

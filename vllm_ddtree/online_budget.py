@@ -314,10 +314,7 @@ class OnlineBudget:
         rebuilt when the budget table changes and every ``METRICS_REFRESH_STEPS``
         steps, cached between."""
         if self._metrics is None:
-            from vllm_ddtree.metrics import budget_metrics
-
-            self._metrics = {"sampling": {c: budget_metrics(ctl.state())
-                                          for c, ctl in self._active()}}
+            self._metrics = {"sampling": {c: ctl.summary() for c, ctl in self._active()}}
         return self._metrics
 
     def metrics_update(self) -> dict | None:

@@ -709,3 +709,20 @@ def test_the_lookup_is_rewritten_exactly_when_the_home_changes_it(seed):
     assert ctl.home is not None
     # A refresh changes the table now and then; a drain's floor steps mostly do not.
     assert rewrites < 6 * 40
+
+
+def test_the_metrics_summary_is_what_the_state_says():
+    """summary() (what /metrics shows, rebuilt at every table change) gives the numbers
+    state() reports for each bucket with steps: its budget, accepted + 1 at that budget,
+    and the measured acceptance per budget."""
+    ctl = controller()
+    eng = Engine(ctl, seed=2, noise=0.1)
+    for n, q in ((1, 1.0), (5, 0.8), (20, 0.3), (70, 0.9)):
+        eng.run(300, n, quality=q)
+        state, summary = ctl.state()["buckets"], ctl.summary()
+        assert sorted(summary["budget"]) == sorted(state)
+        for name, b in state.items():
+            assert summary["budget"][name] == b["budget"]
+            assert summary["expected_tokens_per_step"][name] == round(
+                1.0 + b["accepted"][str(b["budget"])], 4)
+            assert summary["accepted_measured"][name] == b["accepted_measured"]
