@@ -11,7 +11,9 @@ batch sizes 1-64 and both sampling classes filled:
 
 * ``core``: the scheduler's call and the encoding of ``EngineCoreOutputs`` with the
   step's ``SchedulerStats``;
-* ``front``: their decoding and the DDTree gauges.
+* ``front``: their decoding and the DDTree gauges;
+
+and what one rebuild of the summary costs the engine core (``rebuild_us_median``).
 
 Two ways of sending, taken in turns (A B, B A, ...) for ``--rounds`` rounds:
 ``every-step`` (the summary in every step's stats) and ``on-change``
@@ -144,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                      "sent_share": round(statistics.fmean(x["sent_share"]
                                                           for x in runs[mode]), 4)})
     ob = filled_online_budget()
+    rebuilds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            ob._metrics = None
+            ob.metrics()
+        rebuilds.append((time.perf_counter() - t0) / 200 * 1e6)
     summary = ob.metrics()
     numbers = sum(len(v) if not isinstance(v, dict) else sum(
         len(x) if isinstance(x, dict) else 1 for x in v.values())
@@ -157,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                    "EngineCoreOutputs; front = decoding + the DDTree gauges; medians of "
                    "per-round means, modes in turns",
            "summary_numbers": numbers,
+           "rebuild_us_median": round(statistics.median(rebuilds), 2),
            "buckets": {c: sorted(m["budget"]) for c, m in summary["sampling"].items()},
            "rows": rows}
     with open(args.out, "w") as f:
@@ -164,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write("\n")
     for r in rows:
         print(json.dumps(r))
-    print("summary numbers:", numbers)
+    print("summary numbers:", numbers, "rebuild us:", doc["rebuild_us_median"])
     return 0
 
 
