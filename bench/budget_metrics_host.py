@@ -27,7 +27,6 @@ plain decoding sends them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -39,7 +38,7 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.online_budget_host import _config  # noqa: E402
+from bench.online_budget_host import _config, write_result  # noqa: E402
 from vllm_ddtree.online_budget import METRICS_REFRESH_STEPS, OnlineBudget  # noqa: E402
 
 MODES = ("none", "every-step", "on-change")
@@ -113,15 +112,19 @@ _PROM = None
 
 
 def _prom():
-    """One set of DDTree gauges (prometheus_client's registry takes a name once)."""
+    """One set of DDTree gauges, in a registry of their own (a registry takes a name
+    once; vLLM's loggers use the default one)."""
     global _PROM
     if _PROM is None:
+        import functools
+
         import prometheus_client
 
         from vllm_ddtree.metrics import DDTreeBudgetProm
 
-        _PROM = DDTreeBudgetProm(prometheus_client.Gauge, ["model_name", "engine"],
-                                 {0: ["model", "0"]})
+        gauge = functools.partial(prometheus_client.Gauge,
+                                  registry=prometheus_client.CollectorRegistry())
+        _PROM = DDTreeBudgetProm(gauge, ["model_name", "engine"], {0: ["model", "0"]})
     return _PROM
 
 
@@ -169,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
            "rebuild_us_median": round(statistics.median(rebuilds), 2),
            "buckets": {c: sorted(m["budget"]) for c, m in summary["sampling"].items()},
            "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    for r in rows:
-        print(json.dumps(r))
+    write_result(args.out, doc)
     print("summary numbers:", numbers, "rebuild us:", doc["rebuild_us_median"])
     return 0
 

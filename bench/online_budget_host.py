@@ -143,12 +143,17 @@ def main(argv: list[str] | None = None) -> int:
                    + (f", this tree's controller against {args.baseline}'s in turns"
                       if args.baseline else ""),
            "rows": rows}
-    with open(args.out, "w") as f:
+    write_result(args.out, doc)
+    return 0
+
+
+def write_result(path: str, doc: dict) -> None:
+    """``doc`` as JSON to ``path``, and its rows, one JSON line each, to stdout."""
+    with open(path, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
-    for r in rows:
+    for r in doc["rows"]:
         print(json.dumps(r))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1212,6 +1212,23 @@ def test_engine_spec_counters_read_each_engines_own_logger_with_several_alive():
         unregister_vllm_metrics()
 
 
+def test_budget_metrics_host_sends_the_summary_as_each_mode_says(tmp_path):
+    """``bench/budget_metrics_host.py``: stats without a summary, with it every step,
+    and with it only on the steps that rebuilt it (every 64 here), through vLLM's own
+    encoding and the DDTree gauges."""
+    from bench import budget_metrics_host as M
+    from vllm_ddtree.online_budget import METRICS_REFRESH_STEPS
+
+    out = tmp_path / "metrics-host.json"
+    assert M.main(["--out", str(out), "--steps", "128", "--rounds", "1"]) == 0
+    doc = json.loads(out.read_text())
+    share = {r["mode"]: r["sent_share"] for r in doc["rows"]}
+    assert share == {"none": 0.0, "every-step": 1.0,
+                     "on-change": round(128 // METRICS_REFRESH_STEPS / 128, 4)}
+    assert doc["summary_numbers"] > 14 and doc["rebuild_us_median"] > 0
+    assert sorted(doc["buckets"]) == ["greedy", "sampled"]
+
+
 def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
     """``bench/online_budget_host.py --baseline REV`` loads REV's controller from git
     and reports paired ratios per cell; the real tree's controller is back afterwards."""
