@@ -98,10 +98,11 @@ probe (``L``: its length; ``share``: ``probe_cost_share`` = 1 % split between th
 bucket's candidates), so probing costs at most ~1 % of the time even where drafting
 costs most (a drafting step of an 8B-shaped target at batch 64 that accepts nothing
 takes ~3x a step without drafts; at batch 1 a probe is 64 steps long) and a probe
-expected to pay is not delayed. A budget the bucket never ran is priced by the nearest
-bucket's measurement of it, if any (else it waits the doubling interval alone). So a workload change is noticed within about
-``probe_interval_max`` + a probe + ``refresh_steps`` of a bucket's steps, and within
-``probe_spacing_max`` (4096) where a probe is dear for its length.
+expected to pay is not delayed. A budget the bucket never ran is priced by the
+nearest bucket's measurement of it, if any (else it waits the doubling interval
+alone). So a workload change is noticed within about ``probe_interval_max`` + a probe
++ ``refresh_steps`` of a bucket's steps, and within ``probe_spacing_max`` (4096)
+where a probe is dear for its length.
 
 **Determinism.** No clocks, no random numbers, no iteration over hashed containers:
 the table is a function of the sequence of :class:`StepStats` fed to it and the
