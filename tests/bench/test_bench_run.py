@@ -1229,6 +1229,23 @@ def test_budget_metrics_host_sends_the_summary_as_each_mode_says(tmp_path):
     assert sorted(doc["buckets"]) == ["greedy", "sampled"]
 
 
+def test_spec_decode_metrics_host_times_vllms_counters_and_names_the_series(tmp_path):
+    """``bench/spec_decode_metrics_host.py``: a row per (positions, batch), and the
+    series of the vLLM it ran on (the stop at the first zero is a patch of it)."""
+    from bench import spec_decode_metrics_host as S
+
+    out = tmp_path / "spec-metrics.json"
+    assert S.main(["--out", str(out), "--steps", "50", "--rounds", "1",
+                   "--num-spec-tokens", "4", "64", "--batch-sizes", "2"]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["num_spec_tokens"], r["batch"]) for r in doc["rows"]] == [(4, 2), (64, 2)]
+    assert all(r["us_median"] > 0 for r in doc["rows"])
+    import vllm
+
+    series = getattr(vllm, "ddtree_series", None)
+    assert doc["series_sha256"] == (series["series_sha256"][:12] if series else None)
+
+
 def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
     """``bench/online_budget_host.py --baseline REV`` loads REV's controller from git
     and reports paired ratios per cell; the real tree's controller is back afterwards."""
