@@ -55,7 +55,9 @@ def _goals_section(path: str, heading: str) -> list[str]:
     rev = ", ".join(f"`{r}`" for r in revs)
     out = [heading, "",
            f"From [`{os.path.relpath(path, ROOT)}`]({_rel(path)}); held out: "
-           f"`{doc.get('prompt_set_held_out')}`; recorded revision{'s' if len(revs) > 1 else ''}: {rev}. "
+           f"`{doc.get('prompt_set_held_out')}`; recorded revision{'s' if len(revs) > 1 else ''}: {rev} "
+           "(the runs' `git_rev`: a GPU host's copy may carry a stale `.git`, so the run "
+           "directory's COMMANDS.md names the tree and its `code_digest`). "
            f"{doc.get('goal', '')}: met in {met} of {len(cells)} cells.", ""]
     for src in doc.get("sources") or []:
         order = ", ".join(src.get("engine_order") or [])
