@@ -18,8 +18,8 @@ and what one rebuild of the summary costs the engine core (``rebuild_us_median``
 Two ways of sending, taken in turns (A B, B A, ...) for ``--rounds`` rounds:
 ``every-step`` (the summary in every step's stats) and ``on-change``
 (:meth:`OnlineBudget.metrics_update`: only when it was rebuilt, at a table change and
-every ``METRICS_REFRESH_STEPS`` steps; here a settled engine: the periodic rebuild only), beside ``none`` (stats without a summary, as
-plain decoding sends them).
+every ``METRICS_REFRESH_STEPS`` steps; here a settled engine: the periodic rebuild
+only), beside ``none`` (stats without a summary, as plain decoding sends them).
 
     python3 bench/budget_metrics_host.py --out bench/results/<dir>/budget-metrics-host.json
 """

@@ -459,11 +459,16 @@ class BudgetController:
 
     def budget_for(self, batch_size: int) -> int:
         """The budget to verify at ``batch_size`` (a list lookup)."""
-        i = self.effective_bucket(batch_size)
-        budget = self._table[i]
-        if i != self.bucket_of(batch_size) and not self._fits_cap(batch_size, budget):
-            return self._table[self.bucket_of(batch_size)]
-        return budget
+        return self._budget_at(batch_size, self.effective_bucket(batch_size))
+
+    def _budget_at(self, batch_size: int, i: int) -> int:
+        """The budget at ``batch_size`` when bucket ``i`` decides for it: its choice,
+        unless it is the home deciding below its range and the user's cap at
+        ``batch_size`` does not allow it (then the batch size's own bucket's)."""
+        own = self.bucket_of(batch_size)
+        if i != own and not self._fits_cap(batch_size, self._table[i]):
+            i = own
+        return self._table[i]
 
     def _fits_cap(self, batch_size: int, budget: int) -> bool:
         """Whether ``max_budget_by_batch`` allows ``budget`` at ``batch_size`` (a
@@ -494,7 +499,7 @@ class BudgetController:
         if h is not None:
             # The batch sizes below the home's range that it decides for.
             for n in range(self._floor, min(self._buckets[h].lo, n_max + 1)):
-                table[n] = self.budget_for(n)
+                table[n] = self._budget_at(n, h)
         return table
 
     # ---------------------------------------------------------------- observing
@@ -587,7 +592,8 @@ class BudgetController:
         # The table changes only where a batch size changed bucket and the two buckets'
         # budgets differ there (a batch draining a step at a time moves the floor
         # every step, mostly between buckets of one budget).
-        return any(self._entry(n, before) != self._entry(n, after)
+        return any(self._budget_at(n, before.get(n, self.bucket_of(n)))
+                   != self._budget_at(n, after.get(n, self.bucket_of(n)))
                    for n in set(before) ^ set(after))
 
     def _extension(self) -> dict[int, int]:
@@ -596,14 +602,6 @@ class BudgetController:
         if self._home is None:
             return {}
         return dict.fromkeys(range(self._floor, self._buckets[self._home].lo), self._home)
-
-    def _entry(self, n: int, extension: dict[int, int]) -> int:
-        """The table's budget at batch size ``n`` under ``extension``."""
-        own = self._table[self.bucket_of(n)]
-        h = extension.get(n)
-        if h is None or not self._fits_cap(n, self._table[h]):
-            return own
-        return self._table[h]
 
     def _depth_hits(self, stats: StepStats, b: int, n: int) -> list[int] | None:
         cap = min(b, self.max_depth)
@@ -758,11 +756,9 @@ class BudgetController:
         first 64-step wave, at 2.8x a step without drafts at batch 64)."""
         li = self._index[target]
         if not self._measured(bk, li, target):
-            i = bk.lo.bit_length() - 1
-            near = next((self._buckets[j] for dist in range(1, len(self._buckets))
-                         for j in (i - dist, i + dist)
-                         if 0 <= j < len(self._buckets)
-                         and any(c.fast_w > 0 for c in self._buckets[j].acc)), None)
+            # The bucket its estimates borrow acceptance from (_nearest's choice).
+            near = next((self._buckets[j] for j in self._neighbours(bk.lo.bit_length() - 1)
+                         if any(c.fast_w > 0 for c in self._buckets[j].acc)), None)
             if target == 0 or near is None or not self._measured(near, li, target):
                 return 0  # never measured (or long ago): nothing to price it with
         scores = est["scores"]
@@ -901,13 +897,19 @@ class BudgetController:
         own = get(self._buckets[i])
         if own is not None:
             return own
+        for j in self._neighbours(i):
+            found = get(self._buckets[j])
+            if found is not None:
+                return found[0], [self.prior_weight] * len(found[0])
+        return None
+
+    def _neighbours(self, i: int):
+        """The other buckets' indices, nearest to bucket ``i`` first (the smaller on a
+        tie)."""
         for dist in range(1, len(self._buckets)):
             for j in (i - dist, i + dist):
                 if 0 <= j < len(self._buckets):
-                    found = get(self._buckets[j])
-                    if found is not None:
-                        return found[0], [self.prior_weight] * len(found[0])
-        return None
+                    yield j
 
     def _model_levels(self, batch: int) -> list[float]:
         """The start-up model's step time at each level for ``batch``: a fixed model,
@@ -997,12 +999,10 @@ class BudgetController:
             if bk.steps == 0:
                 continue
             est = bk.estimate if bk.estimate is not None else self._estimate(i)
-            measured, hit_rates = {}, {}
-            for b, cell in zip(self.levels, bk.acc):
-                if b > 0 and cell.fast_w > 0:
-                    measured[str(b)] = round(cell.fast_mean(), 4)
-                    hit_rates[str(b)] = [round(h / cell.fast_w, 4)
-                                         for h in cell.depth_sums[1:min(b, self.max_depth) + 1]]
+            measured = self._measured_acceptance(bk)
+            hit_rates = {str(b): [round(h / cell.fast_w, 4)
+                                  for h in cell.depth_sums[1:min(b, self.max_depth) + 1]]
+                         for b, cell in zip(self.levels, bk.acc) if str(b) in measured}
             out["buckets"][f"{bk.lo}-{bk.hi}"] = {
                 "budget": self._table[i],
                 "choice": bk.choice,
@@ -1034,10 +1034,13 @@ class BudgetController:
             out["budget"][name] = chosen
             out["expected_tokens_per_step"][name] = round(
                 1.0 + round(est["accepted"][self._index[chosen]], 4), 4)
-            out["accepted_measured"][name] = {
-                str(b): round(cell.fast_mean(), 4)
-                for b, cell in zip(self.levels, bk.acc) if b > 0 and cell.fast_w > 0}
+            out["accepted_measured"][name] = self._measured_acceptance(bk)
         return out
+
+    def _measured_acceptance(self, bk: _Bucket) -> dict[str, float]:
+        """Per measured budget (``str(b)``), the bucket's fast mean accepted depth."""
+        return {str(b): round(cell.fast_mean(), 4)
+                for b, cell in zip(self.levels, bk.acc) if b > 0 and cell.fast_w > 0}
 
     def log_line(self) -> str:
         """One line for the log: budget by bucket with its expected tokens/s and
