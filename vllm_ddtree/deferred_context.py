@@ -34,8 +34,10 @@ class DeferredContext:
             raise ValueError(f"deferred context capacity must be >= 1 token, got {capacity}")
         self.capacity = capacity
         self.states = torch.zeros(capacity, width, dtype=dtype, device=device)
-        self.positions = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.slots: torch.Tensor | None = None     # [rows, capacity], at the first append
+        self.device = device
+        # [capacity, 1 + slot rows]: each entry's position, then its drafter slot in
+        # each slot row; sized at the first append, so that one kernel writes a step.
+        self.index: torch.Tensor | None = None
         self.count = 0
         self.req_ids: tuple | None = None          # the requests the entries belong to
         self.flushes = 0
@@ -60,15 +62,15 @@ class DeferredContext:
             self.flush(store)
         self.req_ids = ids
         c = self.count
-        torch.cat([h[:n] for h in aux_hidden_states], dim=-1, out=self.states[c:c + n])
-        self.positions[c:c + n].copy_(positions[:n])
-        if self.slots is None or self.slots.shape[0] != len(slot_rows):
+        index = self.index
+        if index is None or index.shape[1] != 1 + len(slot_rows):
             if c:
                 raise AssertionError("the drafter's slot rows changed with entries pending")
-            self.slots = torch.zeros(len(slot_rows), self.capacity, dtype=torch.int64,
-                                     device=self.positions.device)
-        for r, row in enumerate(slot_rows):
-            self.slots[r, c:c + n].copy_(row[:n])
+            index = self.index = torch.zeros(self.capacity, 1 + len(slot_rows),
+                                             dtype=torch.int64, device=self.device)
+        torch.cat([h[:n] for h in aux_hidden_states], dim=-1, out=self.states[c:c + n])
+        torch.stack([positions[:n], *(row[:n] for row in slot_rows)], dim=1,
+                    out=index[c:c + n])
         self.count = c + n
 
     def flush(self, store: Callable) -> int:
@@ -77,8 +79,8 @@ class DeferredContext:
         Returns the number of tokens stored."""
         n = self.count
         if n:
-            rows = [self.slots[r, :n] for r in range(self.slots.shape[0])]
-            store(self.states[:n], self.positions[:n], rows)
+            index = self.index[:n].t().contiguous()
+            store(self.states[:n], index[0], list(index[1:]))
             self.flushes += 1
             self.flushed_tokens += n
         self.count = 0

@@ -77,6 +77,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     # instead of storing it (vllm_ddtree.deferred_context); the buffer is allocated with
     # the drafter (load_model), before vLLM measures memory. None: stored every step.
     _deferred: DeferredContext | None = None
+    # (the runner's slot mappings, the views of its rows the drafter's context goes to)
+    _deferred_slot_rows: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         # vLLM/Triton internals this package relies on still have their shape (once
@@ -225,9 +227,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         if (deferred is None or not aux_hidden_states or num_tokens != input_batch.num_reqs
                 or not deferred.fits(num_tokens)):
             return False
-        rows = [self.block_tables.slot_mappings[r] for r in self._context_slot_rows()]
+        slot_mappings = self.block_tables.slot_mappings
+        cached = self._deferred_slot_rows
+        if cached is None or cached[0] is not slot_mappings:
+            # Views of the runner's persistent slot mappings, made once.
+            cached = self._deferred_slot_rows = (
+                slot_mappings, tuple(slot_mappings[r] for r in self._context_slot_rows()))
         deferred.append(input_batch.req_ids, aux_hidden_states, input_batch.positions,
-                        rows, self._store_deferred)
+                        cached[1], self._store_deferred)
         self.verifier.clear_trees(input_batch.idx_mapping, input_batch.idx_mapping_np)
         return True
 
@@ -533,7 +540,6 @@ class DDTreeSpeculator(DFlashSpeculator):
     def _next_budget(self) -> int:
         return self.verifier.step.next_budget
 
-    @torch.inference_mode()
     def propose(
         self,
         input_batch: InputBatch,
@@ -552,32 +558,85 @@ class DDTreeSpeculator(DFlashSpeculator):
         mm_inputs=None,
         is_profile: bool = False,
         **pin_kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """DFlash's propose with compaction before and trees after. ``pin_kwargs``
         are the pin's further keywords, passed on to DFlash's propose as given: the
         data-parallel sync (``num_tokens_across_dp`` on 0.26.0, ``dp_sync_state`` on
         0.33.0) and, on 0.33.0, the step's ``num_speculative_tokens`` (the scheduler's
-        budget after this step, as ``TreeVerifier.prepare`` got it)."""
-        num_tokens = input_batch.num_tokens
-        profiler = None if dummy_run else self.profiler
-        if profiler is not None:
-            profiler.mark("propose")
-        # Budget 0: the scheduler verifies no drafts after this step.
-        no_drafts = not dummy_run and (
-            self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0)
-        deferred = no_drafts and self._defer_decode_context(input_batch, aux_hidden_states)
-        if not deferred and self._deferred is not None and not dummy_run:
+        budget after this step, as ``TreeVerifier.prepare`` got it).
+
+        Returns the step's draft tokens, or None when the step drafts nothing (the
+        scheduler verifies no drafts after it, budget 0): the runner then stores no
+        draft rows (patch ``spec-decode_ddtree-runner-hooks``). A budget-0 decode step
+        is the one a user pays on every step while drafting does not pay, so its
+        common case (the context deferred or stored in one graph replay) returns
+        before anything else, without entering a new inference-mode scope (the
+        runner's sample_tokens runs in one)."""
+        if not dummy_run and (
+                self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0):
+            profiler = self.profiler
+            if profiler is not None:
+                profiler.mark("propose")
+            done = self._defer_decode_context(input_batch, aux_hidden_states)
+            if not done:
+                if self._deferred is not None:
+                    # Every other step reads or writes the drafter's cache: what is
+                    # deferred goes in first.
+                    self._deferred.flush(self._store_deferred)
+                done = self._store_decode_context(input_batch, aux_hidden_states)
+            if done:
+                # No drafts verified, none to draft: the drafter's context buffered,
+                # or stored in one replay.
+                self.verifier.end_step()
+                if profiler is not None:
+                    profiler.mark("compacted")
+                    profiler.mark("drafted")
+                return None
+            with torch.inference_mode():
+                return self._propose_steps(
+                    input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                    aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                    next_prefill_tokens, temperature, seeds, True, pin_kwargs)
+        if self._deferred is not None and not dummy_run:
             # Every other step reads or writes the drafter's cache: what is deferred
             # goes in first.
             self._deferred.flush(self._store_deferred)
-        if deferred or (no_drafts and self._store_decode_context(input_batch, aux_hidden_states)):
-            # No drafts verified, none to draft: the drafter's context buffered, or
-            # stored in one replay.
-            self.verifier.end_step()
-            if profiler is not None:
-                profiler.mark("compacted")
-                profiler.mark("drafted")
-            return self.draft_tokens[: input_batch.num_reqs]
+        profiler = None if dummy_run else self.profiler
+        if profiler is not None:
+            profiler.mark("propose")
+        with torch.inference_mode():
+            return self._propose_steps(
+                input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, False, pin_kwargs,
+                dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs, is_profile=is_profile)
+
+    def _propose_steps(
+        self,
+        input_batch: InputBatch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        no_drafts: bool,
+        pin_kwargs: dict[str, Any],
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs=None,
+        is_profile: bool = False,
+    ) -> torch.Tensor | None:
+        """propose() past its budget-0 fast path: the accepted path's compaction, then
+        the drafter's context only (``no_drafts``: returns None) or DFlash's propose
+        and the trees."""
+        num_tokens = input_batch.num_tokens
+        profiler = None if dummy_run else self.profiler
         if aux_hidden_states:
             hidden_states = self.model.combine_hidden_states(
                 torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
@@ -607,7 +666,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                                            seeds)
             if profiler is not None:
                 profiler.mark("drafted")
-            return self.draft_tokens[: input_batch.num_reqs]
+            return None
 
         self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
         try:

@@ -678,3 +678,37 @@ def test_deferral_is_on_by_default_and_asked_for_by_name_needs_auxiliary_states(
     assert defer_context_requested()
     with pytest.raises(ValueError, match="VLLM_DDTREE_DEFER_CONTEXT=1 needs a drafter"):
         DDTreeSpeculator.load_model(spec, object())
+
+
+def test_a_step_that_drafts_nothing_returns_no_drafts(monkeypatch):
+    """propose() returns None on each route of a budget-0 step (the context deferred,
+    stored in one graph replay, stored eagerly), so the runner stores no draft rows
+    (patch spec-decode_ddtree-runner-hooks); a drafting step and vLLM's dummy runs
+    return the drafts."""
+    from vllm_ddtree.dflash_tree_drafter import DDTreeSpeculator
+
+    def propose(spec, num_reqs, num_tokens, positions, dummy_run=False):
+        batch = types.SimpleNamespace(
+            num_reqs=num_reqs, num_tokens=num_tokens,
+            idx_mapping=torch.tensor([5, 1, 3][:num_reqs], dtype=torch.int32),
+            idx_mapping_np=np.array([5, 1, 3][:num_reqs]), positions=positions[:num_tokens],
+            req_ids=["a", "b", "c"][:num_reqs])
+        _schedule_next(spec, num_reqs)
+        z = torch.zeros(num_reqs)
+        aux = [torch.randn(num_tokens, 5), torch.randn(num_tokens, 5)]
+        return DDTreeSpeculator.propose(spec, batch, {}, {}, torch.zeros(num_tokens, 5), aux,
+                                        z, z, z, z, z, z, dummy_run=dummy_run)
+
+    spec, calls = _deferring_fake(monkeypatch)
+    positions = torch.arange(40, 56)
+    assert propose(spec, 3, 3, positions) is None                    # deferred
+    assert spec._deferred.count == 3
+    assert propose(spec, 3, 6, positions) is None                    # eager store
+    assert [c[0].shape[0] for c in calls["store"]] == [3, 6]
+    drafts = propose(spec, 2, 2, positions)                          # drafting
+    assert drafts is not None and calls["super"] == 1
+    assert propose(spec, 3, 3, positions, dummy_run=True) is not None
+    spec, calls = _context_only_fake(monkeypatch, [0, 8, 8, 0, 0])
+    positions = torch.arange(16)
+    replays = _decode_graph_fake(spec, calls, positions)
+    assert propose(spec, 3, 3, positions) is None and len(replays) == 1  # one replay
