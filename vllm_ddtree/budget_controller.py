@@ -104,6 +104,13 @@ alone). So a workload change is noticed within about ``probe_interval_max`` + a 
 + ``refresh_steps`` of a bucket's steps, and within ``probe_spacing_max`` (4096)
 where a probe is dear for its length.
 
+**Stalls.** A step's time counts for at most ``STALL_FACTOR`` (4) times its budget's
+recent estimate, and a budget-0 step's for at most the bucket's recent estimate of its
+smallest measured drafting budget (a step without drafts does less work): a single
+stall (a kernel compiled at first use, a garbage collection) in a 4-step probe of
+budget 0 otherwise priced not drafting above drafting for thousands of steps
+(:meth:`BudgetController._cost_cap`).
+
 **Determinism.** No clocks, no random numbers, no iteration over hashed containers:
 the table is a function of the sequence of :class:`StepStats` fed to it and the
 constructor's arguments. Every tensor-parallel rank (or the engine core and the
@@ -136,6 +143,11 @@ MIN_WEIGHT = 1.0
 # flap and doubles the bucket's margin, up to MAX_MARGIN_SCALE times the margin.
 FLAP_WINDOW_STEPS = 2048
 MAX_MARGIN_SCALE = 8.0
+# A step's time counts for at most this many times its level's recent estimate (once
+# that rests on STALL_MIN_WEIGHT decayed steps): one stall (a compilation, a garbage
+# collection, the host's noise) moves a budget's step-time estimate by a bounded amount.
+STALL_FACTOR = 4.0
+STALL_MIN_WEIGHT = 8.0
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
 
@@ -540,11 +552,15 @@ class BudgetController:
             bk.acc[li].add(now, float(sum(hits[1:])), float(hits[0]), self.half_life,
                            self.shape_half_life, hits)
         if stats.prefill_tokens == 0 and stats.drafted_budget in (None, b):
-            model = self._model_levels(min(max(n, 1), self.max_batch_size))[li]
+            models = self._model_levels(min(max(n, 1), self.max_batch_size))
+            model = models[li]
             if not model > 0:
                 raise ValueError(f"startup_cost({n}, {b}) = {model}; it must be positive")
-            bk.cost[li].add(now, stats.step_ms / model, 1.0, self.half_life,
-                            self.shape_half_life)
+            ratio = stats.step_ms / model
+            cap = self._cost_cap(bk, li, now, models)
+            if cap is not None and ratio * model > cap:
+                ratio = cap / model
+            bk.cost[li].add(now, ratio, 1.0, self.half_life, self.shape_half_life)
         bk.since_switch += 1
         bk.dirty = True
         if bk.probing is not None:
@@ -569,6 +585,40 @@ class BudgetController:
         if changed:
             self.version += 1
         return changed
+
+    def _cost_cap(self, bk: _Bucket, li: int, now: int,
+                  models: Sequence[float]) -> float | None:
+        """The most a step of level ``li`` counts for in the bucket's step-time
+        statistics (None: no bound yet). A stall (a compilation, a garbage collection,
+        the host's noise) is not a budget's price:
+
+        * every level: ``STALL_FACTOR`` times its own recent estimate, once that rests
+          on ``STALL_MIN_WEIGHT`` steps. Capped steps still count, so a lasting change
+          of pace moves the estimate by up to that factor a step and is followed.
+        * budget 0: at most the recent estimate of the smallest drafting budget the
+          bucket measured. A step without drafts does less work than a drafting step
+          of the same batch, so one measured slower is a stall; uncapped, one stall in
+          a 4-step probe of budget 0 made drafting look cheaper than not drafting for
+          thousands of steps (one 50 ms step kept a simulated host-bound batch-1
+          bucket drafting at 0.85x plain decoding's pace for ~4800 steps). Where the
+          two cost about the same this biases budget 0 a little low, towards plain
+          decoding's pace. Drafting budgets are not capped by each other: two of them
+          can cost the same within the noise, and capping one by the other biased the
+          smaller one."""
+        cap = None
+        own = bk.cost[li]
+        if own.fast_w > 0 and own.weights(now, self.half_life,
+                                          self.shape_half_life)[0] >= STALL_MIN_WEIGHT:
+            cap = STALL_FACTOR * own.fast_sum / own.fast_w * models[li]
+        if li != 0:
+            return cap
+        for j in range(1, len(models)):
+            cell = bk.cost[j]
+            if cell.fast_w > 0 and cell.weights(now, self.half_life,
+                                                self.shape_half_life)[0] >= MIN_WEIGHT:
+                above = cell.fast_sum / cell.fast_w * models[j]
+                return above if cap is None or above < cap else cap
+        return cap
 
     def _move_home(self, now: int, n: int) -> bool:
         """The sliding maximum of the batch over the last ``home_window`` steps, and
