@@ -1231,6 +1231,33 @@ def timed_run(args, suite: Suite, run: EngineRun, prompts: list, batch: int,
                               suite.max_tokens, suite.dummy, args.output_lengths)
 
 
+# What a cell's row keeps of the online controller's bucket for its batch size.
+BUDGET_BUCKET_FIELDS = ("choice", "steps", "switches", "probes", "accepted_measured",
+                        "step_ms", "tokens_per_s")
+
+
+def budget_bucket_snapshot(report_path: str | None, batch: int) -> dict | None:
+    """The online controller's bucket for ``batch`` as its engine core last wrote it
+    (``VLLM_DDTREE_BUDGET_REPORT``, rewritten every 2 s of decoding), after a cell's
+    runs: why the cell drafted or not (its choice, switches and probes so far, the
+    measured step time and tokens/s per budget). The sampling class in use; None
+    without a report or a bucket holding ``batch``."""
+    if not report_path or not os.path.exists(report_path):
+        return None
+    try:
+        with open(report_path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None  # being rewritten: the engine's final report still comes
+    for name, bucket in (report.get("buckets") or {}).items():
+        lo, _, hi = name.partition("-")
+        if lo.isdigit() and hi.isdigit() and int(lo) <= batch <= int(hi):
+            snap = {k: bucket[k] for k in BUDGET_BUCKET_FIELDS if k in bucket}
+            return {"bucket": name, "sampling_class": report.get("sampling_class"),
+                    "controller_step": report.get("step"), **snap}
+    return None
+
+
 def record_cell(args, suite: Suite, run: EngineRun, rnd: int, key: tuple, runs: list,
                 rec: Recorder, cells: dict, reference: dict, exact: bool) -> None:
     """A cell's runs on one engine into its row (which merges every engine so far)."""
@@ -1255,6 +1282,9 @@ def record_cell(args, suite: Suite, run: EngineRun, rnd: int, key: tuple, runs: 
         # The engines took turns run by run (--interleave): run i of every engine's
         # row was measured in the same turn.
         entry["interleaved"] = True
+    snapshot = budget_bucket_snapshot(run.budget_report, batch)
+    if snapshot is not None:
+        entry["online_budget_bucket"] = snapshot
     rec.doc["results"][cell.row] = entry
     rec.save()
     print(json.dumps({k: entry.get(k) for k in (

@@ -49,6 +49,7 @@ import collections
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -346,8 +347,12 @@ class OnlineBudget:
         return state
 
     def write_report(self, path: str) -> None:
-        with open(path, "w") as f:
+        # Written whole, then moved into place: a reader (bench/run.py after each
+        # cell) never finds half a file.
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.state(), f)
+        os.replace(tmp, path)
 
 
 def make_online_budget(vllm_config: Any, static_lookup: list[int] | None,

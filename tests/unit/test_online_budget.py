@@ -14,6 +14,7 @@ Needs the patched vLLM (``./apply.sh``).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -396,6 +397,36 @@ def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
     assert fields[:3] == ["batch", "budget", "drafted_budget"]
     assert len(steps) == 3 and steps[-1][:5] == [1, 8, None, 1, 1.0]
     assert abs(steps[-1][5] - 3.0) < 1e-6 and steps[-1][6] == 0
+
+
+def test_the_benchmark_keeps_the_cells_bucket_from_the_report(models, h200, tmp_path,
+                                                              monkeypatch):
+    """bench/run.py records, after each cell, the controller's bucket for the cell's
+    batch from the report the engine core rewrites (written whole, then moved into
+    place, so the reader never finds half a file)."""
+    import json
+
+    from bench.run import budget_bucket_snapshot
+    from vllm_ddtree.online_budget import OnlineBudget
+
+    report = tmp_path / "budget.json"
+    monkeypatch.setenv("VLLM_DDTREE_BUDGET_REPORT", str(report))
+    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
+    ob._clock.t = 1.0
+    for _ in range(3):
+        ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
+        ob._clock.t += 0.003
+    ob.write_report(str(report))
+    assert sorted(os.listdir(tmp_path)) == ["budget.json"]
+    snap = budget_bucket_snapshot(str(report), 1)
+    bucket = json.loads(report.read_text())["buckets"][snap["bucket"]]
+    assert snap["bucket"].split("-")[0] == "1" and snap["choice"] == bucket["choice"]
+    assert snap["steps"] == 3 and snap["step_ms"] == bucket["step_ms"]
+    assert snap["sampling_class"] == "greedy"
+    assert budget_bucket_snapshot(str(report), 10 ** 6) is None   # no bucket holds it
+    assert budget_bucket_snapshot(str(tmp_path / "none.json"), 1) is None
+    report.write_text('{"buckets": {"1-1": ')                     # half a file
+    assert budget_bucket_snapshot(str(report), 1) is None
 
 
 def test_the_report_is_rewritten_every_interval_without_a_change(models, h200, tmp_path,
