@@ -572,136 +572,94 @@ class DDTreeSpeculator(DFlashSpeculator):
         common case (the context deferred or stored in one graph replay) returns
         before anything else, without entering a new inference-mode scope (the
         runner's sample_tokens runs in one)."""
-        if not dummy_run and (
-                self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0):
-            profiler = self.profiler
-            if profiler is not None:
-                profiler.mark("propose")
-            done = self._defer_decode_context(input_batch, aux_hidden_states)
-            if not done:
-                if self._deferred is not None:
-                    # Every other step reads or writes the drafter's cache: what is
-                    # deferred goes in first.
-                    self._deferred.flush(self._store_deferred)
-                done = self._store_decode_context(input_batch, aux_hidden_states)
-            if done:
-                # No drafts verified, none to draft: the drafter's context buffered,
-                # or stored in one replay.
-                self.verifier.end_step()
-                if profiler is not None:
-                    profiler.mark("compacted")
-                    profiler.mark("drafted")
-                return None
-            with torch.inference_mode():
-                return self._propose_steps(
-                    input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                    aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                    next_prefill_tokens, temperature, seeds, True, pin_kwargs)
-        if self._deferred is not None and not dummy_run:
-            # Every other step reads or writes the drafter's cache: what is deferred
-            # goes in first.
-            self._deferred.flush(self._store_deferred)
         profiler = None if dummy_run else self.profiler
         if profiler is not None:
             profiler.mark("propose")
-        with torch.inference_mode():
-            return self._propose_steps(
-                input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, False, pin_kwargs,
-                dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-                mm_inputs=mm_inputs, is_profile=is_profile)
-
-    def _propose_steps(
-        self,
-        input_batch: InputBatch,
-        attn_metadata: dict[str, Any],
-        slot_mappings: dict[str, torch.Tensor],
-        last_hidden_states: torch.Tensor,
-        aux_hidden_states: list[torch.Tensor] | None,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        last_sampled: torch.Tensor,
-        next_prefill_tokens: torch.Tensor,
-        temperature: torch.Tensor,
-        seeds: torch.Tensor,
-        no_drafts: bool,
-        pin_kwargs: dict[str, Any],
-        dummy_run: bool = False,
-        skip_attn_for_dummy_run: bool = False,
-        mm_inputs=None,
-        is_profile: bool = False,
-    ) -> torch.Tensor | None:
-        """propose() past its budget-0 fast path: the accepted path's compaction, then
-        the drafter's context only (``no_drafts``: returns None) or DFlash's propose
-        and the trees."""
-        num_tokens = input_batch.num_tokens
-        profiler = None if dummy_run else self.profiler
-        if aux_hidden_states:
-            hidden_states = self.model.combine_hidden_states(
-                torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
-            )
+        no_drafts = not dummy_run and (
+            self._next_budget == 0 or pin_kwargs.get("num_speculative_tokens") == 0)
+        if no_drafts and self._defer_decode_context(input_batch, aux_hidden_states):
+            done = True
         else:
-            hidden_states = last_hidden_states[:num_tokens].clone()
-        if not dummy_run:
-            # A dummy run (data parallelism, cost measurements) between a walk and
-            # its propose must leave the pending compaction for the real one.
-            self.verifier.compact(input_batch, slot_mappings, hidden_states)
-        if profiler is not None:
-            profiler.mark("compacted")
-
-        if no_drafts:
-            # Store the drafter's context (so drafting resumes at full acceptance
-            # when the batch shrinks) and skip the drafter's query forward, its
-            # attention metadata and the trees.
-            self._store_drafter_context_only(
-                input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds,
-            )
-            if not self._input_kernel_warm:
-                # The store ran vLLM's DFlash input kernel: an engine that starts with
-                # drafting off (a large batch) would otherwise compile its other block
-                # sizes at the first prompts of each length range.
-                self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
-                                           seeds)
+            if self._deferred is not None and not dummy_run:
+                # Every other step reads or writes the drafter's cache: what is
+                # deferred goes in first.
+                self._deferred.flush(self._store_deferred)
+            done = no_drafts and self._store_decode_context(input_batch, aux_hidden_states)
+        if done:
+            # No drafts verified, none to draft: the drafter's context buffered, or
+            # stored in one replay.
+            self.verifier.end_step()
             if profiler is not None:
+                profiler.mark("compacted")
                 profiler.mark("drafted")
             return None
+        num_tokens = input_batch.num_tokens
+        with torch.inference_mode():
+            if aux_hidden_states:
+                hidden_states = self.model.combine_hidden_states(
+                    torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+                )
+            else:
+                hidden_states = last_hidden_states[:num_tokens].clone()
+            if not dummy_run:
+                # A dummy run (data parallelism, cost measurements) between a walk and
+                # its propose must leave the pending compaction for the real one.
+                self.verifier.compact(input_batch, slot_mappings, hidden_states)
+            if profiler is not None:
+                profiler.mark("compacted")
 
-        self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
-        try:
-            draft_tokens = super().propose(
-                input_batch,
-                attn_metadata,
-                slot_mappings,
-                hidden_states,
-                None,
-                num_sampled,
-                num_rejected,
-                last_sampled,
-                next_prefill_tokens,
-                temperature,
-                seeds,
-                dummy_run=dummy_run,
-                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-                mm_inputs=mm_inputs,
-                is_profile=is_profile,
-                **pin_kwargs,
-            )
-        finally:
-            self._profiling_draft = False
-        if not dummy_run:
-            if self._draft_hidden is not None:
-                self._warm_up_heads()
-                self._draft_level(input_batch.num_reqs, self._next_budget)
-            self.verifier.store_trees(self.trees, input_batch.idx_mapping,
-                                       input_batch.idx_mapping_np)
-            if not self._input_kernel_warm:
-                self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
-                                           seeds)
-        if profiler is not None:
-            profiler.mark("drafted")
-        return draft_tokens
+            if no_drafts:
+                # Store the drafter's context (so drafting resumes at full acceptance
+                # when the batch shrinks) and skip the drafter's query forward, its
+                # attention metadata and the trees.
+                self._store_drafter_context_only(
+                    input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
+                    next_prefill_tokens, temperature, seeds,
+                )
+                if not self._input_kernel_warm:
+                    # The store ran vLLM's DFlash input kernel: an engine that starts with
+                    # drafting off (a large batch) would otherwise compile its other block
+                    # sizes at the first prompts of each length range.
+                    self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
+                                               seeds)
+                if profiler is not None:
+                    profiler.mark("drafted")
+                return None
+
+            self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
+            try:
+                draft_tokens = super().propose(
+                    input_batch,
+                    attn_metadata,
+                    slot_mappings,
+                    hidden_states,
+                    None,
+                    num_sampled,
+                    num_rejected,
+                    last_sampled,
+                    next_prefill_tokens,
+                    temperature,
+                    seeds,
+                    dummy_run=dummy_run,
+                    skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                    mm_inputs=mm_inputs,
+                    is_profile=is_profile,
+                    **pin_kwargs,
+                )
+            finally:
+                self._profiling_draft = False
+            if not dummy_run:
+                if self._draft_hidden is not None:
+                    self._warm_up_heads()
+                    self._draft_level(input_batch.num_reqs, self._next_budget)
+                self.verifier.store_trees(self.trees, input_batch.idx_mapping,
+                                           input_batch.idx_mapping_np)
+                if not self._input_kernel_warm:
+                    self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
+                                               seeds)
+            if profiler is not None:
+                profiler.mark("drafted")
+            return draft_tokens
 
     def _generate_draft(
         self,

@@ -378,9 +378,9 @@ def test_the_summary_survives_the_engine_core_to_front_end_message():
     assert back.scheduler_stats.ddtree_budget == summary
 
 
-def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
-    import json
-
+def _report_after_three_steps(models, tmp_path, monkeypatch):
+    """A controller's report (VLLM_DDTREE_BUDGET_REPORT) after three batch-1 steps that
+    verified budget 8, 3 ms apart."""
     from vllm_ddtree.online_budget import OnlineBudget
 
     report = tmp_path / "budget.json"
@@ -391,6 +391,13 @@ def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
         ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
         ob._clock.t += 0.003
     ob.write_report(str(report))
+    return report
+
+
+def test_the_report_keeps_recent_steps(models, h200, tmp_path, monkeypatch):
+    import json
+
+    report = _report_after_three_steps(models, tmp_path, monkeypatch)
     state = json.loads(report.read_text())
     steps = state["recent_steps"]["steps"]
     fields = state["recent_steps"]["fields"]
@@ -407,16 +414,8 @@ def test_the_benchmark_keeps_the_cells_bucket_from_the_report(models, h200, tmp_
     import json
 
     from bench.run import budget_bucket_snapshot
-    from vllm_ddtree.online_budget import OnlineBudget
 
-    report = tmp_path / "budget.json"
-    monkeypatch.setenv("VLLM_DDTREE_BUDGET_REPORT", str(report))
-    ob = OnlineBudget(_config(models), None, 16, clock=Clock())
-    ob._clock.t = 1.0
-    for _ in range(3):
-        ob.observe(_so({"a": 9}, {"a": [-1] * 8}), _mro({"a": [1, 2]}))
-        ob._clock.t += 0.003
-    ob.write_report(str(report))
+    report = _report_after_three_steps(models, tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path)) == ["budget.json"]
     snap = budget_bucket_snapshot(str(report), 1)
     bucket = json.loads(report.read_text())["buckets"][snap["bucket"]]
