@@ -59,7 +59,8 @@
 #                                          # GAP_PROFILE_STEADY=N: a steady cell of N
 #                                          # requests; GAP_PROFILE_TRACE=1: Chrome traces;
 #                                          # GAP_PROFILE_SYNC=1: where the host waits for the GPU;
-#                                          # GAP_PROFILE_TEMPERATURE: seeded T > 0)
+#                                          # GAP_PROFILE_TEMPERATURE: seeded T > 0;
+#                                          # GAP_PROFILE_ROUNDS=N: engines N times, alternating)
 #   bash bench/gpu_session.sh flashtests   # GPU tests of trees on FlashAttention (opt-in route)
 #   bash bench/gpu_session.sh drafter-data   # the drafter's training sequences through vLLM
 #   bash bench/gpu_session.sh drafter-train  # one resumable training run on them
@@ -375,14 +376,28 @@ case "$step" in
     # One process per engine: a second engine with FULL graphs in a process that
     # held one failed its capture (CUDACachingAllocator use_count assert,
     # bench/results/2026-11-30-steady-full-graphs-host-profile/).
-    for config in "${pconfigs[@]}"; do
-      timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
-        --configs "$config" --max-tokens 64 --out-dir "$OUT/profile" \
-        --temperature "${GAP_PROFILE_TEMPERATURE:-0}" \
-        ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
-        ${GAP_PROFILE_SYNC:+--sync-stacks} \
-        >> "$OUT/profile/profile-step.log" 2>&1
-      echo "gap profile $config rc=$?"
+    # GAP_PROFILE_ROUNDS=N: every engine N times, in alternating order (A B, B A, ...),
+    # each round's files in profile/round-R/: one pass per engine cannot tell the
+    # engines apart from engine-to-engine noise (+-20 %).
+    rounds="${GAP_PROFILE_ROUNDS:-1}"
+    for ((r = 1; r <= rounds; r++)); do
+      order=("${pconfigs[@]}")
+      if ((r % 2 == 0)); then
+        order=()
+        for ((k = ${#pconfigs[@]} - 1; k >= 0; k--)); do order+=("${pconfigs[k]}"); done
+      fi
+      pdir="$OUT/profile"
+      if ((rounds > 1)); then pdir="$OUT/profile/round-$r"; fi
+      mkdir -p "$pdir"
+      for config in "${order[@]}"; do
+        timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
+          --configs "$config" --max-tokens 64 --out-dir "$pdir" \
+          --temperature "${GAP_PROFILE_TEMPERATURE:-0}" \
+          ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
+          ${GAP_PROFILE_SYNC:+--sync-stacks} \
+          >> "$OUT/profile/profile-step.log" 2>&1
+        echo "gap profile round $r $config rc=$?"
+      done
     done
     grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
