@@ -556,11 +556,11 @@ class BudgetController:
             model = models[li]
             if not model > 0:
                 raise ValueError(f"startup_cost({n}, {b}) = {model}; it must be positive")
-            ratio = stats.step_ms / model
+            step_ms = stats.step_ms
             cap = self._cost_cap(bk, li, now, models)
-            if cap is not None and ratio * model > cap:
-                ratio = cap / model
-            bk.cost[li].add(now, ratio, 1.0, self.half_life, self.shape_half_life)
+            if cap is not None:
+                step_ms = min(step_ms, cap)
+            bk.cost[li].add(now, step_ms / model, 1.0, self.half_life, self.shape_half_life)
         bk.since_switch += 1
         bk.dirty = True
         if bk.probing is not None:
@@ -605,20 +605,23 @@ class BudgetController:
           decoding's pace. Drafting budgets are not capped by each other: two of them
           can cost the same within the noise, and capping one by the other biased the
           smaller one."""
-        cap = None
-        own = bk.cost[li]
-        if own.fast_w > 0 and own.weights(now, self.half_life,
-                                          self.shape_half_life)[0] >= STALL_MIN_WEIGHT:
-            cap = STALL_FACTOR * own.fast_sum / own.fast_w * models[li]
+        own = self._recent_mean(bk.cost[li], now, STALL_MIN_WEIGHT)
+        cap = None if own is None else STALL_FACTOR * own * models[li]
         if li != 0:
             return cap
         for j in range(1, len(models)):
-            cell = bk.cost[j]
-            if cell.fast_w > 0 and cell.weights(now, self.half_life,
-                                                self.shape_half_life)[0] >= MIN_WEIGHT:
-                above = cell.fast_sum / cell.fast_w * models[j]
-                return above if cap is None or above < cap else cap
+            mean = self._recent_mean(bk.cost[j], now, MIN_WEIGHT)
+            if mean is not None:
+                above = mean * models[j]
+                return above if cap is None else min(above, cap)
         return cap
+
+    def _recent_mean(self, cell: _Cell, now: int, min_weight: float) -> float | None:
+        """The cell's fast mean when its decayed fast weight is at least
+        ``min_weight``, else None."""
+        if cell.weights(now, self.half_life, self.shape_half_life)[0] < min_weight:
+            return None
+        return cell.fast_mean()
 
     def _move_home(self, now: int, n: int) -> bool:
         """The sliding maximum of the batch over the last ``home_window`` steps, and

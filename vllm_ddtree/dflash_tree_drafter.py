@@ -616,47 +616,43 @@ class DDTreeSpeculator(DFlashSpeculator):
                     input_batch, hidden_states, num_sampled, num_rejected, last_sampled,
                     next_prefill_tokens, temperature, seeds,
                 )
-                if not self._input_kernel_warm:
-                    # The store ran vLLM's DFlash input kernel: an engine that starts with
-                    # drafting off (a large batch) would otherwise compile its other block
-                    # sizes at the first prompts of each length range.
-                    self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
-                                               seeds)
-                if profiler is not None:
-                    profiler.mark("drafted")
-                return None
-
-            self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
-            try:
-                draft_tokens = super().propose(
-                    input_batch,
-                    attn_metadata,
-                    slot_mappings,
-                    hidden_states,
-                    None,
-                    num_sampled,
-                    num_rejected,
-                    last_sampled,
-                    next_prefill_tokens,
-                    temperature,
-                    seeds,
-                    dummy_run=dummy_run,
-                    skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-                    mm_inputs=mm_inputs,
-                    is_profile=is_profile,
-                    **pin_kwargs,
-                )
-            finally:
-                self._profiling_draft = False
-            if not dummy_run:
-                if self._draft_hidden is not None:
-                    self._warm_up_heads()
-                    self._draft_level(input_batch.num_reqs, self._next_budget)
-                self.verifier.store_trees(self.trees, input_batch.idx_mapping,
-                                           input_batch.idx_mapping_np)
-                if not self._input_kernel_warm:
-                    self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
-                                               seeds)
+                draft_tokens = None
+            else:
+                self._profiling_draft = is_profile or (dummy_run and skip_attn_for_dummy_run)
+                try:
+                    draft_tokens = super().propose(
+                        input_batch,
+                        attn_metadata,
+                        slot_mappings,
+                        hidden_states,
+                        None,
+                        num_sampled,
+                        num_rejected,
+                        last_sampled,
+                        next_prefill_tokens,
+                        temperature,
+                        seeds,
+                        dummy_run=dummy_run,
+                        skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                        mm_inputs=mm_inputs,
+                        is_profile=is_profile,
+                        **pin_kwargs,
+                    )
+                finally:
+                    self._profiling_draft = False
+                if not dummy_run:
+                    if self._draft_hidden is not None:
+                        self._warm_up_heads()
+                        self._draft_level(input_batch.num_reqs, self._next_budget)
+                    self.verifier.store_trees(self.trees, input_batch.idx_mapping,
+                                               input_batch.idx_mapping_np)
+            if not dummy_run and not self._input_kernel_warm:
+                # Both branches ran vLLM's DFlash input kernel (the context-only store
+                # too: an engine that starts with drafting off, a large batch, would
+                # otherwise compile its other block sizes at the first prompts of each
+                # length range).
+                self._warm_up_input_kernel(last_sampled, next_prefill_tokens, temperature,
+                                           seeds)
             if profiler is not None:
                 profiler.mark("drafted")
             return draft_tokens
