@@ -379,6 +379,9 @@ case "$step" in
     # GAP_PROFILE_ROUNDS=N: every engine N times, in alternating order (A B, B A, ...),
     # each round's files in profile/round-R/: one pass per engine cannot tell the
     # engines apart from engine-to-engine noise (+-20 %).
+    # GAP_PROFILE_SUITE=cost8b: Qwen3-8B's shape with dummy weights and random prompts
+    # (a budget-0 step cost ~1.05x a plain one at batch 16 there); compare two engines'
+    # kernels per step afterwards with bench/profile_step.py --compare-kernels A B.
     rounds="${GAP_PROFILE_ROUNDS:-1}"
     for ((r = 1; r <= rounds; r++)); do
       order=("${pconfigs[@]}")
@@ -392,7 +395,7 @@ case "$step" in
       for config in "${order[@]}"; do
         timeout 420 python3 bench/profile_step.py --engine-process inproc --batch-size "${GAP_PROFILE_BATCH:-16}" \
           --configs "$config" --max-tokens 64 --out-dir "$pdir" \
-          --temperature "${GAP_PROFILE_TEMPERATURE:-0}" \
+          --temperature "${GAP_PROFILE_TEMPERATURE:-0}" --suite "${GAP_PROFILE_SUITE:-fixture}" \
           ${GAP_PROFILE_STEADY:+--steady-requests "$GAP_PROFILE_STEADY"} ${GAP_PROFILE_TRACE:+--trace} \
           ${GAP_PROFILE_SYNC:+--sync-stacks} \
           >> "$OUT/profile/profile-step.log" 2>&1

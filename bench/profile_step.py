@@ -22,6 +22,13 @@ Writes ``<out-dir>/profile-<config>.json`` (numbers), ``profile-<config>-cprofil
 and, with ``--trace``, ``profile-<config>-trace.json.gz`` (Chrome trace, for
 https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
 
+``--suite cost8b`` profiles Qwen3-8B's shape with dummy weights and a drafter of
+DFlash-8B's shape on random prompts, as ``bench/run.py --suite cost8b`` measures it (a
+budget-0 step there cost ~1.05x a plain one at batch 16,
+bench/results/2026-12-04-cost8b-interleaved-priced-first-probe/). Every profile keeps
+each kernel's GPU time per step (``kernels_per_step``); ``--compare-kernels A B`` (no
+GPU) writes, kernel by kernel, what B's step costs beyond A's.
+
 ``--sync-stacks`` adds one more pass under torch.profiler with Python stacks: every
 call that makes the host wait for the GPU (``cudaStreamSynchronize``...), by the Python
 frames around it (``sync_stacks`` in the numbers). With asynchronous scheduling a
@@ -66,6 +73,7 @@ from bench.run import (  # noqa: E402
     engine_environment,
     file_stem,
     load_prompt_sets,
+    make_8b_models,
     parse_config,
     refuse_full_graphs_on_flash_attention,
     run_cell_steady,
@@ -88,8 +96,10 @@ def busy_union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize_torch_profile(prof, top: int = 25) -> dict:
-    """GPU busy share and the top kernels / CPU ops of a ``torch.profiler`` run."""
+def summarize_torch_profile(prof, top: int = 25, steps: int | None = None) -> dict:
+    """GPU busy share and the top kernels / CPU ops of a ``torch.profiler`` run; with
+    ``steps``, every kernel's GPU time and launches per step too (``kernels_per_step``,
+    what ``--compare-kernels`` reads)."""
     from torch.autograd import DeviceType
 
     kernels: list[tuple[float, float]] = []
@@ -112,7 +122,7 @@ def summarize_torch_profile(prof, top: int = 25) -> dict:
         (e for e in prof.key_averages() if e.self_cpu_time_total > 0),
         key=lambda e: -e.self_cpu_time_total,
     )
-    return {
+    out = {
         "gpu_span_ms": round(span / 1e3, 3),
         "gpu_busy_ms": round(busy / 1e3, 3),
         "gpu_busy_fraction": round(busy / span, 4) if span else None,
@@ -127,6 +137,49 @@ def summarize_torch_profile(prof, top: int = 25) -> dict:
             for e in cpu_ops[:top]
         ],
     }
+    if steps:
+        out["kernels_per_step"] = kernels_per_step(by_kernel, steps)
+    return out
+
+
+def kernels_per_step(by_kernel: dict, steps: int) -> list[dict]:
+    """Every kernel's GPU time (us) and launches per step, largest first; names are
+    kept whole, since two variants of one kernel differ only in their tails."""
+    n = max(steps, 1)
+    return [{"name": name, "us_per_step": round(t / n, 2), "calls_per_step": round(c / n, 3)}
+            for name, (t, c) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])]
+
+
+def compare_kernels(base: dict, other: dict) -> dict:
+    """What ``other``'s step costs on the GPU beyond ``base``'s, kernel by kernel: two
+    profiles written by this script (``torch_profile.kernels_per_step``). Rows are sorted
+    by the size of the difference; ``only_in`` says which profile alone ran a kernel."""
+    def table(rec: dict, which: str) -> dict:
+        rows = (rec.get("torch_profile") or {}).get("kernels_per_step")
+        if rows is None:
+            raise ValueError(f"{which} profile ({rec.get('config')}) has no kernels_per_step: "
+                             "profile it again with this version of bench/profile_step.py")
+        return {r["name"]: r for r in rows}
+
+    a, b = table(base, "the base"), table(other, "the other")
+    rows = []
+    for name in a.keys() | b.keys():
+        ra, rb = a.get(name), b.get(name)
+        us_a = ra["us_per_step"] if ra else 0.0
+        us_b = rb["us_per_step"] if rb else 0.0
+        row = {"name": name, "base_us": us_a, "other_us": us_b, "diff_us": round(us_b - us_a, 2),
+               "base_calls": ra["calls_per_step"] if ra else 0.0,
+               "other_calls": rb["calls_per_step"] if rb else 0.0}
+        if not (ra and rb):
+            row["only_in"] = "base" if ra else "other"
+        rows.append(row)
+    rows.sort(key=lambda r: (-abs(r["diff_us"]), r["name"]))
+    busy = [(rec.get("torch_profile") or {}).get("gpu_busy_ms_per_step") for rec in (base, other)]
+    return {"base": base.get("config"), "other": other.get("config"),
+            "gpu_busy_ms_per_step": {"base": busy[0], "other": busy[1]},
+            "kernel_us_per_step": {"base": round(sum(r["base_us"] for r in rows), 1),
+                                   "other": round(sum(r["other_us"] for r in rows), 1)},
+            "kernels": rows}
 
 
 # CUDA runtime calls that can make the host wait for the GPU (a D2H copy into
@@ -239,9 +292,11 @@ def cprofile_text(prof: cProfile.Profile, top: int = 45) -> str:
     return out.getvalue()
 
 
-def generate(llm, prompts, max_tokens: int, temperature: float = 0.0) -> tuple[float, int]:
-    """One wave; at T > 0 each request seeded as in bench/run.py's cells."""
-    sps = [_sampling_params(temperature, max_tokens, i, dummy=False)
+def generate(llm, prompts, max_tokens: int, temperature: float = 0.0,
+             dummy: bool = False) -> tuple[float, int]:
+    """One wave; at T > 0 each request seeded as in bench/run.py's cells; ``dummy``: no
+    tokenizer (the cost8b suite), so nothing is detokenized."""
+    sps = [_sampling_params(temperature, max_tokens, i, dummy=dummy)
            for i in range(len(prompts))]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
@@ -253,10 +308,11 @@ def workload(llm, args, prompts) -> tuple[float, int]:
     a constant-concurrency cell (``bench/run.py --cell-mode steady``) over all prompts,
     ``--batch-size`` of them in flight, so steps that prefill a joining request are
     profiled beside decode steps as a server sees them."""
+    dummy = getattr(args, "dummy", False)
     if not args.steady_requests:
-        return generate(llm, prompts, args.max_tokens, args.temperature)
+        return generate(llm, prompts, args.max_tokens, args.temperature, dummy)
     outputs, summary, _ = run_cell_steady(llm, prompts, args.batch_size, args.temperature,
-                                          args.max_tokens, dummy=False)
+                                          args.max_tokens, dummy=dummy)
     return summary["wall_s"], sum(len(o) for o in outputs)
 
 
@@ -265,9 +321,13 @@ def start_engine(args, name: str, **extra):
     from vllm import LLM
 
     cfg = parse_config(name)
+    if getattr(args, "dummy", False):
+        # The cost8b suite's engine, as bench/run.py starts it: dummy weights, no tokenizer.
+        extra = dict(extra, load_format="dummy", skip_tokenizer_init=True)
+    memory = 0.4 if getattr(args, "dummy", False) else 0.2
     with engine_environment(dict(cfg.env)):
         return LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
-                   enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=0.2,
+                   enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=memory,
                    max_model_len=2048, max_num_seqs=max(args.batch_size, 4), seed=0,
                    disable_log_stats=False, **config_engine_kwargs(cfg), **extra)
 
@@ -275,7 +335,8 @@ def start_engine(args, name: str, **extra):
 def plain_run(llm, args, prompts) -> tuple[dict, int]:
     """Warm up, then one timed generation without profilers: its numbers and the
     engine steps per request (spec-decode drafts; one per token without speculation)."""
-    generate(llm, prompts[: args.batch_size], 16, args.temperature)  # warm-up
+    dummy = getattr(args, "dummy", False)
+    generate(llm, prompts[: args.batch_size], 16, args.temperature, dummy)  # warm-up
     if args.steady_requests:
         # Joining steps' first-use costs too (the first of three steady passes was
         # slower than the cProfiled one,
@@ -283,7 +344,7 @@ def plain_run(llm, args, prompts) -> tuple[dict, int]:
         # as bench/run.py's steady warm-up.
         run_cell_steady(llm, prompts[: STEADY_WARMUP_WAVES * args.batch_size],
                         args.batch_size, args.temperature, max(8, args.max_tokens // 2),
-                        dummy=False)
+                        dummy=dummy)
     before = spec_counters(llm.get_metrics())
     wall, n = workload(llm, args, prompts)
     delta = spec_counters(llm.get_metrics()).minus(before)
@@ -320,7 +381,7 @@ def profile_config(args, name: str, prompts) -> dict:
         wall_t, _ = workload(llm, args, prompts)
         torch.cuda.synchronize()
     rec["torch_profile_wall_s"] = round(wall_t, 4)
-    rec["torch_profile"] = summarize_torch_profile(tprof)
+    rec["torch_profile"] = summarize_torch_profile(tprof, steps=steps)
     rec["torch_profile"]["gpu_busy_ms_per_step"] = round(
         rec["torch_profile"]["gpu_busy_ms"] / max(steps, 1), 3)
     if args.sync_stacks:
@@ -403,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=os.environ.get("DDTREE_BENCH_TARGET", "/opt/smollm2-hf"))
     ap.add_argument("--drafter", default=os.environ.get("DDTREE_BENCH_DRAFTER", DEFAULT_DRAFTER))
     ap.add_argument("--data", default=os.environ.get("DDTREE_BENCH_DATA", "/opt/smollm2-fixture/data"))
-    ap.add_argument("--prompt-set", default="humaneval")
+    ap.add_argument("--suite", choices=["fixture", "cost8b"], default="fixture",
+                    help="fixture: --target and --drafter; cost8b: Qwen3-8B's shape and a "
+                         "drafter of DFlash-8B's shape, dummy weights, random prompts "
+                         "(bench/run.py --suite cost8b)")
+    ap.add_argument("--prompt-set", default=None,
+                    help="default: humaneval (fixture), random (cost8b)")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--steady-requests", type=int, default=0, metavar="N",
@@ -425,7 +491,23 @@ def main(argv: list[str] | None = None) -> int:
                          "<out-dir>/kernels-<name>.json, every kernel per step")
     ap.add_argument("--steps", type=int, default=None,
                     help="with --summarize-trace: engine steps in the trace")
+    ap.add_argument("--compare-kernels", nargs=2, metavar=("BASE", "OTHER"),
+                    help="no GPU run: two profile-<config>.json files of this script -> "
+                         "<out-dir>/kernel-diff-<base>-vs-<other>.json, what OTHER's step "
+                         "costs beyond BASE's, kernel by kernel")
     args = ap.parse_args(argv)
+    if args.compare_kernels:
+        os.makedirs(args.out_dir, exist_ok=True)
+        base, other = (read_json(p) for p in args.compare_kernels)
+        diff = compare_kernels(base, other)
+        name = f"kernel-diff-{file_stem(str(diff['base']))}-vs-{file_stem(str(diff['other']))}.json"
+        with open(os.path.join(args.out_dir, name), "w") as f:
+            json.dump(diff, f, indent=1)
+        print(json.dumps({k: diff[k] for k in ("base", "other", "gpu_busy_ms_per_step",
+                                                "kernel_us_per_step")}))
+        for row in diff["kernels"][:15]:
+            print(f"{row['diff_us']:+9.2f} us  {row['name'][:110]}")
+        return 0
     if args.summarize_trace:
         if not args.steps or args.steps < 1:
             raise SystemExit("--summarize-trace needs --steps >= 1")
@@ -447,10 +529,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--steady-requests must exceed --batch-size ({args.batch_size}): "
                          f"got {args.steady_requests}")
     os.makedirs(args.out_dir, exist_ok=True)
+    args.dummy = args.suite == "cost8b"
+    if args.prompt_set is None:
+        args.prompt_set = "random" if args.dummy else "humaneval"
+    tok = None
+    if args.dummy:
+        import tempfile
 
-    from transformers import AutoTokenizer
+        args.target, args.drafter = make_8b_models(tempfile.mkdtemp())
+    else:
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.target)
+        tok = AutoTokenizer.from_pretrained(args.target)
     prompts = load_prompt_sets([args.prompt_set], args.data, tok,
                                max(args.batch_size, args.steady_requests))[args.prompt_set]
     results = []

@@ -1268,3 +1268,99 @@ def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
         assert len(r["tree_over_baseline_paired"]) == 2
         assert r["tree_over_baseline_paired_median"] > 0
     assert online_budget.BudgetController is budget_controller.BudgetController
+
+
+def test_profile_kernel_comparison_names_what_the_other_step_adds():
+    """bench/profile_step.py --compare-kernels: kernel by kernel, what one profile's step
+    costs beyond another's, largest difference first, kernels of one side marked."""
+    from bench.profile_step import compare_kernels
+
+    def prof(config, rows, busy):
+        return {"config": config, "torch_profile": {"gpu_busy_ms_per_step": busy,
+                                                     "kernels_per_step": rows}}
+
+    base = prof("no-spec", [{"name": "gemm", "us_per_step": 4000.0, "calls_per_step": 36},
+                            {"name": "attn_3d", "us_per_step": 300.0, "calls_per_step": 36}], 4.3)
+    other = prof("ddtree", [{"name": "gemm", "us_per_step": 4010.0, "calls_per_step": 36},
+                            {"name": "attn_2d", "us_per_step": 520.0, "calls_per_step": 36},
+                            {"name": "copy", "us_per_step": 6.5, "calls_per_step": 2}], 4.55)
+    d = compare_kernels(base, other)
+    assert [r["name"] for r in d["kernels"]] == ["attn_2d", "attn_3d", "gemm", "copy"]
+    assert d["kernels"][0]["diff_us"] == 520.0 and d["kernels"][0]["only_in"] == "other"
+    assert d["kernels"][1]["diff_us"] == -300.0 and d["kernels"][1]["only_in"] == "base"
+    assert "only_in" not in d["kernels"][2] and d["kernels"][2]["diff_us"] == 10.0
+    assert d["kernel_us_per_step"] == {"base": 4300.0, "other": 4536.5}
+    assert d["gpu_busy_ms_per_step"] == {"base": 4.3, "other": 4.55}
+    with pytest.raises(ValueError, match="no kernels_per_step"):
+        compare_kernels({"config": "old", "torch_profile": {}}, other)
+
+
+def test_profile_kernel_comparison_from_the_command_line(tmp_path, capsys):
+    import json
+
+    from bench.profile_step import main as profile_main
+
+    for name, us in (("no-spec", 10.0), ("ddtree-b64-t512", 12.5)):
+        (tmp_path / f"profile-{name}.json").write_text(json.dumps(
+            {"config": name, "torch_profile": {"gpu_busy_ms_per_step": us / 1000,
+                                               "kernels_per_step": [
+                                                   {"name": "k", "us_per_step": us,
+                                                    "calls_per_step": 1.0}]}}))
+    assert profile_main(["--compare-kernels", str(tmp_path / "profile-no-spec.json"),
+                         str(tmp_path / "profile-ddtree-b64-t512.json"),
+                         "--out-dir", str(tmp_path / "out")]) == 0
+    diff = json.loads((tmp_path / "out" / "kernel-diff-no-spec-vs-ddtree-b64-t512.json").read_text())
+    assert diff["kernels"] == [{"name": "k", "base_us": 10.0, "other_us": 12.5, "diff_us": 2.5,
+                                "base_calls": 1.0, "other_calls": 1.0}]
+    assert "+2.50 us  k" in capsys.readouterr().out
+
+
+def test_kernels_per_step_keeps_every_kernel_whole():
+    from bench.profile_step import kernels_per_step
+
+    long_name = "kernel_unified_attention_" + "x" * 200
+    rows = kernels_per_step({long_name: [300.0, 6], "small": [1.0, 2]}, steps=2)
+    assert rows == [{"name": long_name, "us_per_step": 150.0, "calls_per_step": 3.0},
+                    {"name": "small", "us_per_step": 0.5, "calls_per_step": 1.0}]
+
+
+def test_the_profiler_starts_the_cost8b_shape_as_the_benchmark(monkeypatch, tmp_path):
+    """bench/profile_step.py --suite cost8b: Qwen3-8B's shape and DFlash-8B's drafter
+    shape with dummy weights, no tokenizer, random prompts, and requests that are not
+    detokenized, as bench/run.py --suite cost8b runs them."""
+    import json
+    import types
+
+    import vllm
+
+    from bench import profile_step
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen["engine"] = kw
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+
+    def fake_profile(args, name, prompts):
+        seen["engine_llm"] = profile_step.start_engine(args, name)
+        seen["prompts"] = prompts
+        seen["dummy"] = args.dummy
+        return {"config": name, "plain": {}}
+
+    monkeypatch.setattr(profile_step, "profile_config", fake_profile)
+    assert profile_step.main(["--suite", "cost8b", "--configs", "no-spec", "--batch-size", "4",
+                              "--out-dir", str(tmp_path)]) == 0
+    kw = seen["engine"]
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
+    assert kw["gpu_memory_utilization"] == 0.4
+    with open(f"{kw['model']}/config.json") as f:
+        assert json.load(f)["hidden_size"] == 4096
+    assert seen["dummy"] is True and len(seen["prompts"]) == 4
+    assert all(isinstance(t, int) for p in seen["prompts"] for t in p)
+    # Requests of the dummy suite are not detokenized.
+    got = []
+    llm = types.SimpleNamespace(generate=lambda prompts, sps, use_tqdm: got.extend(sps) or [])
+    profile_step.generate(llm, [[1, 2]], 4, 0.0, dummy=True)
+    assert got[0].detokenize is False
