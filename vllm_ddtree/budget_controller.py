@@ -99,10 +99,10 @@ bucket's candidates), so probing costs at most ~1 % of the time even where draft
 costs most (a drafting step of an 8B-shaped target at batch 64 that accepts nothing
 takes ~3x a step without drafts; at batch 1 a probe is 64 steps long) and a probe
 expected to pay is not delayed. A budget the bucket never ran is priced by the
-nearest bucket's measurement of it, if any (else it waits the doubling interval
-alone). So a workload change is noticed within about ``probe_interval_max`` + a probe
-+ ``refresh_steps`` of a bucket's steps, and within ``probe_spacing_max`` (4096)
-where a probe is dear for its length.
+nearest bucket that measured it, if any (else it waits the doubling interval alone).
+So a workload change is noticed within about ``probe_interval_max`` + a probe +
+``refresh_steps`` of a bucket's steps, and within ``probe_spacing_max`` (4096) where a
+probe is dear for its length.
 
 **Stalls.** A step's time counts for at most ``STALL_FACTOR`` (4) times its budget's
 recent estimate, and a budget-0 step's for at most the bucket's recent estimate of its
@@ -801,18 +801,20 @@ class BudgetController:
         sets the pace, 1024 steps between such probes spent ~4 % of the time); 0
         (the doubling interval alone) for a budget without a measurement in the slow
         statistics, whose estimate is the prior's or the start-up model's. A budget
-        this bucket never ran, but the nearest bucket with data measured (acceptance
-        and step time), is priced as measured: a batch size reached for the first time
+        this bucket never ran, but another bucket measured (acceptance and step time),
+        is priced as measured: a batch size reached for the first time
         decides from its neighbours' measurements (:meth:`observe`), and probes what
         they found dear no sooner than its own measurement would let it (an 8B-shaped
         target that accepts nothing probed each new batch size's budget 4 within its
         first 64-step wave, at 2.8x a step without drafts at batch 64)."""
         li = self._index[target]
         if not self._measured(bk, li, target):
-            # The bucket its estimates borrow acceptance from (_nearest's choice).
+            # The nearest bucket that measured this budget: the nearest bucket with any
+            # data may not have (a new batch size's first steps run the prior's
+            # budget, not the probe's).
             near = next((self._buckets[j] for j in self._neighbours(bk.lo.bit_length() - 1)
-                         if any(c.fast_w > 0 for c in self._buckets[j].acc)), None)
-            if target == 0 or near is None or not self._measured(near, li, target):
+                         if self._measured(self._buckets[j], li, target)), None)
+            if target == 0 or near is None:
                 return 0  # never measured (or long ago): nothing to price it with
         scores = est["scores"]
         cur, new = scores[self._index[bk.choice]], scores[li]

@@ -684,6 +684,43 @@ def test_a_new_batch_size_prices_its_first_probe_by_what_its_neighbours_measured
     assert probes >= 1 and sum(b > 0 for b in budgets) <= 0.02 * 3000
 
 
+def test_a_first_probe_is_priced_by_the_nearest_bucket_that_measured_that_budget():
+    """As on the GPU (bench/results/2026-12-04-cost8b-interleaved-priced-first-probe/):
+    batch 1 measured budget 4 (its probe) and turned drafting off; batch 4's first
+    steps ran the start-up prior's budget 32 before it decided off, so its bucket
+    measured 32 and not 4. Batch 16, reached next, priced its probe of budget 4 by
+    the nearest bucket with any data (batch 4), which had no measurement of 4: the
+    probe went ahead at the doubling interval, 8 steps at ~1.5x in the first 64-step
+    wave. It is priced by batch 1's measurement of budget 4 now, the nearest bucket
+    that has one."""
+    ctl = controller()
+    eng = Engine(ctl, seed=3)
+    eng.run(600, 1, quality=0.02)
+    assert ctl.budget_for(1) == 0
+    for _ in range(8):  # batch 4 at the prior's budget 32, nothing accepted
+        ctl.observe(StepStats(4, 32, TRUE_COST(4, 32), accepted_depths=[0, 0, 0, 0],
+                              drafted_budget=32))
+    eng.pending = None
+    eng.run(64, 4, quality=0.02)
+    b4 = ctl.state()["buckets"]["4-7"]["accepted_measured"]
+    assert "32" in b4 and "4" not in b4
+    assert "4" in ctl.state()["buckets"]["1-1"]["accepted_measured"]
+    # Batch 16's first two steps at its prior's budget 8 (the engine's were), nothing
+    # accepted: the bucket has a measurement of 8, not of the probe budget 4.
+    for _ in range(2):
+        ctl.observe(StepStats(16, 8, TRUE_COST(16, 8), accepted_depths=[0] * 16,
+                              drafted_budget=8))
+    eng.pending = None
+    budgets = eng.run(62, 16, quality=0.02)
+    assert budgets == [0] * 62, budgets
+    b16 = ctl.state()["buckets"]["16-31"]
+    assert b16["probes"] == 0 and "4" not in b16["accepted_measured"]
+    # Priced, not never.
+    budgets = eng.run(3000, 16, quality=0.02)
+    assert ctl.state()["buckets"]["16-31"]["probes"] >= 1
+    assert sum(b > 0 for b in budgets) <= 0.02 * 3000
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_lookup_is_rewritten_exactly_when_the_home_changes_it(seed):
     """The engine rewrites the scheduler's lookup only when observe() says the table
