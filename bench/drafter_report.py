@@ -24,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.result_files import read_json  # noqa: E402
-from bench.run import parse_config  # noqa: E402
+from bench.run import parse_config, weights_digest  # noqa: E402
 
 def safetensors_params(path: str) -> int:
     """Number of parameters in a safetensors file, read from its header."""
@@ -55,7 +55,20 @@ def drafter_info(path: str) -> dict:
             "block_size": cfg.get("block_size"),
             "target_layer_ids": dflash.get("target_layer_ids"),
             "params": safetensors_params(weights), "bytes": os.path.getsize(weights),
+            "digest": weights_digest(path),
             "training": cfg.get("fixture_training")}
+
+
+def check_same_drafter(doc: dict, path: str, digest: str | None) -> None:
+    """A run or offline file that names its drafter's weights (``drafter_digest``, as
+    bench/run.py and bench.fixture.offline_tau write it) must name this drafter's: the
+    committed drafter changes as it trains on, and a row of another drafter would be
+    silently mixed in. Files without a digest (the trainer's eval.json, which evaluates
+    the drafter it wrote) pass."""
+    got = doc.get("drafter_digest")
+    if got is not None and digest is not None and got != digest:
+        raise SystemExit(f"{path}: measured the drafter with weights {got}, not {digest} "
+                         "(--drafter): give only files of this drafter")
 
 
 def offline_rows(eval_doc: dict, source: str, chain_length: int | None) -> list[dict]:
@@ -119,10 +132,13 @@ def build(drafter: str, offline: list[str], runs: list[str]) -> dict:
     rows: list[dict] = []
     for path in offline:
         with open(path) as f:
-            rows += offline_rows(json.load(f), os.path.relpath(path, ROOT), chain_length)
+            doc = json.load(f)
+        check_same_drafter(doc, path, info["digest"])
+        rows += offline_rows(doc, os.path.relpath(path, ROOT), chain_length)
     revs = set()
     for path in runs:
         doc = read_json(path)
+        check_same_drafter(doc, path, info["digest"])
         revs.add(doc.get("git_rev"))
         rows += engine_rows(doc, os.path.relpath(path, ROOT))
     rows.sort(key=lambda x: (x["where"], x["prompt_set"], x["method"], x["budget"] or 0,

@@ -1,5 +1,5 @@
-"""The drafter's context store, deferred while drafting is off (opt-in:
-``VLLM_DDTREE_DEFER_CONTEXT=1``).
+"""The drafter's context store, deferred while drafting is off (on by default;
+``VLLM_DDTREE_DEFER_CONTEXT=0`` stores it every step).
 
 A step that verified no drafts and will draft none (budget 0, one token per request)
 still stores the drafter's context: the target's auxiliary hidden states of its tokens,

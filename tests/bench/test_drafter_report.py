@@ -84,3 +84,28 @@ def test_the_script_runs_as_documented(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert {x["prompt_set"] for x in json.loads(out.read_text())["tau"]} == {"sharegpt", "humaneval"}
+
+
+def test_files_of_another_drafter_are_refused(tmp_path):
+    """drafter.json describes one drafter: a run or offline file that measured other
+    weights (its drafter_digest) stops the report with both digests named; a file
+    measuring this drafter, or naming none, passes."""
+    from bench.run import weights_digest
+
+    mine = weights_digest(DRAFTER)
+    run = str(tmp_path / "run.json.gz")
+    with gzip.open(run, "wt") as f:
+        json.dump({"git_rev": "abc1234", "drafter_digest": "000000000000",
+                   "results": [_row("dflash", 1.4)], "engines": []}, f)
+    with pytest.raises(SystemExit, match=f"weights 000000000000, not {mine}"):
+        R.main(["--drafter", DRAFTER, "--out", str(tmp_path / "d.json"), run])
+    off = tmp_path / "offline.json"
+    off.write_text(json.dumps({"drafter_digest": "111111111111",
+                               "eval": {"sharegpt": {"tau": 2.0}}}))
+    with pytest.raises(SystemExit, match="offline.json: measured the drafter with weights 1111"):
+        R.main(["--drafter", DRAFTER, "--offline", str(off), "--out", str(tmp_path / "d.json")])
+    off.write_text(json.dumps({"drafter_digest": mine, "eval": {"sharegpt": {"tau": 2.0}}}))
+    assert R.main(["--drafter", DRAFTER, "--offline", str(off),
+                   "--out", str(tmp_path / "d.json")]) == 0
+    doc = json.loads((tmp_path / "d.json").read_text())
+    assert doc["drafter"]["digest"] == mine and doc["tau"][0]["tau"] == 2.0
