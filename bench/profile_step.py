@@ -321,10 +321,11 @@ def start_engine(args, name: str, **extra):
     from vllm import LLM
 
     cfg = parse_config(name)
+    memory = 0.2
     if getattr(args, "dummy", False):
         # The cost8b suite's engine, as bench/run.py starts it: dummy weights, no tokenizer.
         extra = dict(extra, load_format="dummy", skip_tokenizer_init=True)
-    memory = 0.4 if getattr(args, "dummy", False) else 0.2
+        memory = 0.4
     with engine_environment(dict(cfg.env)):
         return LLM(model=args.target, speculative_config=cfg.speculative_config(args.drafter),
                    enforce_eager=args.eager, dtype=args.dtype, gpu_memory_utilization=memory,

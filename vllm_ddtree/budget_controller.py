@@ -809,12 +809,11 @@ class BudgetController:
         first 64-step wave, at 2.8x a step without drafts at batch 64)."""
         li = self._index[target]
         if not self._measured(bk, li, target):
-            # The nearest bucket that measured this budget: the nearest bucket with any
-            # data may not have (a new batch size's first steps run the prior's
+            # Else the nearest bucket that measured this budget: the nearest bucket with
+            # any data may not have (a new batch size's first steps run the prior's
             # budget, not the probe's).
-            near = next((self._buckets[j] for j in self._neighbours(bk.lo.bit_length() - 1)
-                         if self._measured(self._buckets[j], li, target)), None)
-            if target == 0 or near is None:
+            if target == 0 or not any(self._measured(self._buckets[j], li, target)
+                                      for j in self._neighbours(bk.lo.bit_length() - 1)):
                 return 0  # never measured (or long ago): nothing to price it with
         scores = est["scores"]
         cur, new = scores[self._index[bk.choice]], scores[li]
