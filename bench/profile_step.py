@@ -26,7 +26,8 @@ https://ui.perfetto.dev). Needs a GPU and the patched vLLM.
 DFlash-8B's shape on random prompts, as ``bench/run.py --suite cost8b`` measures it (a
 budget-0 step there cost ~1.05x a plain one at batch 16,
 bench/results/2026-12-04-cost8b-interleaved-priced-first-probe/). Every profile keeps
-each kernel's GPU time per step (``kernels_per_step``); ``--compare-kernels A B`` (no
+each kernel's GPU time per step (``kernels_per_step``, in-process and from the engine
+process's Chrome trace alike); ``--compare-kernels A B`` (no
 GPU) writes, kernel by kernel, what B's step costs beyond A's.
 
 ``--sync-stacks`` adds one more pass under torch.profiler with Python stacks: every
@@ -272,6 +273,7 @@ def summarize_chrome_trace(doc: dict, steps: int, top: int = 25) -> dict:
         "gpu_busy_ms_per_step": round(busy / 1e3 / n, 3),
         "kernel_launches": len(kernels),
         "top_kernels": ranked(by_kernel, "us_per_step", 120),
+        "kernels_per_step": kernels_per_step(by_kernel, steps),
         "top_python_own_time": ranked(own, "us_per_step", 160),
         "top_python_inclusive_time": ranked(inclusive, "us_per_step", 160),
         "cuda_runtime_per_step": ranked(runtime, "us_per_step", 80),

@@ -404,6 +404,16 @@ def test_chrome_trace_summary_gives_gpu_busy_share_and_python_own_time():
     assert s["top_kernels"][0]["name"] == "k1"
     incl = {r["name"]: r["us_per_step"] for r in s["top_python_inclusive_time"]}
     assert incl == {"step": 100.0, "a": 60.0, "b": 50.0}
+    # Every kernel per step, copies included, as --compare-kernels reads it (the
+    # in-process profiles write the same rows).
+    assert s["kernels_per_step"] == [
+        {"name": "k1", "us_per_step": 8.0, "calls_per_step": 1.0},
+        {"name": "k2", "us_per_step": 6.0, "calls_per_step": 1.0},
+        {"name": "copy", "us_per_step": 5.0, "calls_per_step": 1.0}]
+    from bench.profile_step import compare_kernels
+    other = dict(s, kernels_per_step=[{"name": "k1", "us_per_step": 9.5, "calls_per_step": 1.0}])
+    diff = compare_kernels({"config": "a", "torch_profile": s}, {"config": "b", "torch_profile": other})
+    assert diff["kernels"][0]["name"] == "k2" and diff["kernels"][0]["only_in"] == "base"
 
 
 def test_chrome_trace_summary_attributes_blocking_runtime_calls_to_python_callers():
