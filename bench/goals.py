@@ -21,6 +21,13 @@ apart, so a drift of the host over the call cancels. A cell whose files are all
 interleaved is judged on the median of its paired ratios (``goal_basis: "paired"``),
 any other on the ratio of pooled medians (``"pooled"``).
 
+Pooling keeps every round of every file given, older trees' included. So each cell also
+says what its **latest** file alone gives (``latest``: the last file given that ran
+DDTree and every other engine of the cell; its ``git_rev``, DDTree / the better of the
+others, paired where that file interleaved its engines, and whether that meets the
+goal). Neither replaces the other: the pooled figure has more runs, the latest says
+what the newest code measured.
+
     python3 bench/goals.py --held-out sharegpt-untrained --out bench/results/goals.json \\
         --table bench/results/<dir>/goals.md <round 1 json> <round 2 json>
 """
@@ -88,6 +95,7 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
             key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode, version)
             cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
             cells[key].setdefault("_interleaved", {})[index] = interleaved
+            cells[key].setdefault("_revs", {})[index] = doc.get("git_rev")
             slot = cells[key].setdefault(role, {"runs": [], "tau": [], "by_file": {},
                                                 "config": r["config"]})
             if slot["config"] != r["config"]:
@@ -129,6 +137,30 @@ def _paired(ratios: list[float]) -> dict:
     med = statistics.median(ratios)
     return {"median": round(med, 4), "min": round(min(ratios), 4),
             "max": round(max(ratios), 4), "pairs": len(ratios)}
+
+
+def latest_file(roles: dict, others: tuple[str, ...]) -> dict | None:
+    """DDTree / the better of ``others`` in the last file (by index) that ran DDTree and
+    all of ``others``: the paired median where that file interleaved its engines with
+    equal repeats, else the ratio of that file's medians."""
+    if "ddtree" not in roles or not others:
+        return None
+    files = [i for i in roles["ddtree"]["by_file"]
+             if all(i in roles[r]["by_file"] for r in others)]
+    if not files:
+        return None
+    index = max(files)
+    ddtree = roles["ddtree"]["by_file"][index]
+    base = [roles[r]["by_file"][index] for r in others]
+    if roles.get("_interleaved", {}).get(index) and all(len(b) == len(ddtree) for b in base):
+        ratio = statistics.median(d / max(col) for d, col in zip(ddtree, zip(*base)))
+        basis = "paired"
+    else:
+        ratio = statistics.median(ddtree) / max(statistics.median(b) for b in base)
+        basis = "medians"
+    return {"file": index, "git_rev": roles.get("_revs", {}).get(index),
+            "ddtree_vs_best_other": round(ratio, 4), "basis": basis,
+            "goal_met": ratio >= GOAL_RATIO}
 
 
 def summarise(cells: dict) -> list[dict]:
@@ -176,6 +208,9 @@ def summarise(cells: dict) -> list[dict]:
             if best and all(roles["_interleaved"].values()):
                 cell["goal_basis"] = "paired"
                 cell["goal_met"] = best["median"] >= GOAL_RATIO
+            latest = latest_file(roles, others)
+            if latest:
+                cell["latest"] = latest
         out.append(cell)
     return out
 
@@ -183,12 +218,14 @@ def summarise(cells: dict) -> list[dict]:
 def table(cells: list[dict]) -> str:
     lines = ["| vLLM | suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
              "DDTree / plain | DDTree / plain by file | DDTree / best, paired (min-max, pairs) | "
-             "tau chain / DDTree | spread plain / chain / DDTree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tau chain / DDTree | spread plain / chain / DDTree | latest file: DDTree / best (rev) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         p = c.get("ddtree_vs_best_other_paired")
         paired = f"{p['median']} ({p['min']}-{p['max']}, {p['pairs']})" if p else ""
+        lt = c.get("latest")
+        latest = f"{lt['ddtree_vs_best_other']} ({lt['git_rev']})" if lt else ""
         lines.append(
             f"| {c.get('vllm_version', '')} | {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
             f"{c['temperature']:g} | "
@@ -196,7 +233,7 @@ def table(cells: list[dict]) -> str:
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "
             f"{' / '.join(f'{r:.2f}' for r in c.get('ddtree_vs_no_spec_by_file', []))} | "
             f"{paired} | {tau.get('dflash', '')} / {tau.get('ddtree', '')} | "
-            f"{s.get('no-spec', '')} / {s.get('dflash', '')} / {s.get('ddtree', '')} |")
+            f"{s.get('no-spec', '')} / {s.get('dflash', '')} / {s.get('ddtree', '')} | {latest} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     docs = [read_json(f) for f in args.files]
     cells = summarise(gather(docs, args.ddtree, args.dflash))
+    for c in cells:
+        if "latest" in c:
+            c["latest"]["file"] = os.path.basename(args.files[c["latest"]["file"]])
     revs = sorted({d.get("git_rev") for d in docs if d.get("git_rev")})
     doc = {"git_rev": revs[0] if len(revs) == 1 else revs,
            "prompt_set_held_out": args.held_out,
@@ -229,9 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     met = sum(1 for c in cells if c.get("goal_met"))
     alternated = sum(1 for c in cells if c.get("goal_met") and c["both_orders"])
     paired = sum(1 for c in cells if c.get("goal_basis") == "paired")
+    latest_cells = sum(1 for c in cells if "latest" in c)
+    latest_met = sum(1 for c in cells if c.get("latest", {}).get("goal_met"))
     print(f"{len(cells)} cells, goal met in {met} ({alternated} of them with DDTree's "
-          f"engine started both first and last; {paired} cells judged on paired runs)",
-          flush=True)
+          f"engine started both first and last; {paired} cells judged on paired runs); "
+          f"in each cell's latest file: {latest_met} of {latest_cells}", flush=True)
     return 0
 
 

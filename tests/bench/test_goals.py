@@ -156,3 +156,38 @@ def test_a_cell_with_a_file_run_one_engine_after_another_is_judged_pooled():
     assert cell["ddtree_vs_no_spec_paired"]["pairs"] == 3
     assert cell["goal_basis"] == "pooled"
     assert cell["ddtree_vs_best_other"] == round(170 / 200, 4) and not cell["goal_met"]
+
+
+def test_each_cell_also_says_what_its_latest_file_gives(tmp_path, capsys):
+    """Pooled over files of older trees, a cell can miss while the newest run meets the
+    goal (or the other way round): ``latest`` judges the last file given that ran DDTree
+    and the other engines, on its pairs when it interleaved them."""
+    old = _interleaved({"no-spec": [100.0, 100.0, 100.0], "dflash-t512": [50.0, 50.0, 50.0],
+                        "ddtree-b64-t512": [80.0, 85.0, 90.0]})
+    old["git_rev"] = "old1"
+    new = _interleaved({"no-spec": [100.0, 200.0, 300.0], "dflash-t512": [50.0, 60.0, 70.0],
+                        "ddtree-b64-t512": [99.0, 210.0, 300.0]})
+    new["git_rev"] = "new2"
+    # A later file without the chain cannot say DDTree / the better of the two.
+    plain_only = _interleaved({"no-spec": [100.0], "ddtree-b64-t512": [50.0]})
+    plain_only["git_rev"] = "new3"
+    [cell] = G.summarise(G.gather([old, new, plain_only]))
+    assert not cell["goal_met"]  # paired median over all six pairs (and the seventh)
+    assert cell["latest"] == {"file": 1, "git_rev": "new2", "ddtree_vs_best_other": 1.0,
+                              "basis": "paired", "goal_met": True}
+    assert "| 1.0 (new2) |" in G.table([cell])
+    # One engine after another: the ratio of that file's medians.
+    seq = _doc(["no-spec", "ddtree-b64-t512"], {"no-spec": [200.0], "ddtree-b64-t512": [190.0]})
+    seq["cell_mode"] = "steady"
+    [cell] = G.summarise(G.gather([plain_only, seq]))
+    assert cell["latest"]["basis"] == "medians" and cell["latest"]["ddtree_vs_best_other"] == 0.95
+    assert not cell["latest"]["goal_met"] and cell["latest"]["git_rev"] == "abc"
+    # main names the file.
+    paths = []
+    for name, doc in (("old.json", old), ("new.json", new)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        paths.append(str(tmp_path / name))
+    out = tmp_path / "goals.json"
+    assert G.main(["--held-out", "held", "--out", str(out), *paths]) == 0
+    assert json.loads(out.read_text())["cells"][0]["latest"]["file"] == "new.json"
+    assert "in each cell's latest file: 1 of 1" in capsys.readouterr().out
