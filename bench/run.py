@@ -126,7 +126,10 @@ CONFIG_FLAGS = {"direct": ("VLLM_DDTREE_DIRECT_LAUNCH", "1"),
                 # ... or stored every step
                 "storectx": ("VLLM_DDTREE_DEFER_CONTEXT", "0"),
                 # the unfused (torch) tree kernels instead of the fused Triton ones
-                "unfused": ("VLLM_DDTREE_FUSED_KERNELS", "0")}
+                "unfused": ("VLLM_DDTREE_FUSED_KERNELS", "0"),
+                # FULL decode graphs of one token a request, without the tree bias,
+                # beside the mixed graphs (opt-in)
+                "q1graphs": ("VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "1")}
 
 
 # Name suffixes that set an engine argument instead: "no-spec+tritonattn" is plain

@@ -45,6 +45,11 @@ DIRECT_LAUNCH = Switch(
     "VLLM_DDTREE_DIRECT_LAUNCH", "flag", True,
     "per-step kernels launch through their compiled launcher after Triton's first "
     "launch (vllm_ddtree._triton.DirectLauncher); 0 keeps Triton's launch path")
+SINGLE_TOKEN_GRAPHS = Switch(
+    "VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "flag", False,
+    "under cudagraph_mode FULL (DDTree's default on Triton attention) also capture FULL "
+    "decode graphs of one query token per request, without the tree bias, which the "
+    "steps that draft nothing replay instead of the mixed graphs (opt-in: not measured)")
 TREE_ATTENTION = Switch(
     "VLLM_DDTREE_TREE_ATTENTION", "choice", "triton",
     "which attention backend verifies trees: the patched Triton unified attention or "
@@ -65,7 +70,8 @@ BUDGET_REPORT = Switch(
     "of decoding (vllm_ddtree.online_budget)")
 
 SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DEFER_CONTEXT,
-                                DIRECT_LAUNCH, TREE_ATTENTION, PROFILE, COST_MODEL_REPORT, BUDGET_REPORT)
+                                DIRECT_LAUNCH, SINGLE_TOKEN_GRAPHS, TREE_ATTENTION, PROFILE,
+                                COST_MODEL_REPORT, BUDGET_REPORT)
 
 
 def known_names() -> frozenset[str]:
@@ -108,6 +114,10 @@ def lean_draft_enabled() -> bool:
 
 def context_graphs_enabled() -> bool:
     return _flag(CONTEXT_GRAPHS)
+
+
+def single_token_graphs_enabled() -> bool:
+    return _flag(SINGLE_TOKEN_GRAPHS)
 
 
 def defer_context_enabled() -> bool:

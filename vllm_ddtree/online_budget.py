@@ -121,6 +121,27 @@ def graph_query_lens(vllm_config: Any, query_lens: list[int],
     return sorted(set(query_lens) | {b + sampled_per_step for b in levels})
 
 
+def single_token_graph_lens(vllm_config: Any) -> list[int]:
+    """Under ``cudagraph_mode`` FULL vLLM captures only mixed graphs, which a DDTree
+    engine captures with the tree bias (a tree may replay them), so its steps that draft
+    nothing run the attention kernel compiled with the bias. With
+    ``VLLM_DDTREE_SINGLE_TOKEN_GRAPHS`` (opt-in) the V2 runner's graph manager (patch
+    ``v2-runner_ddtree-single-token-decode-graphs``) also captures FULL decode graphs of
+    one query token per request, without the bias: ``[1]``, else ``[]``. Modes with a
+    separate decode routine capture decode graphs of every length anyway."""
+    from vllm_ddtree.env import single_token_graphs_enabled
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "ddtree":
+        return []
+    if not single_token_graphs_enabled():
+        return []
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or mode.separate_routine() or not mode.has_full_cudagraphs():
+        return []
+    return [1]
+
+
 def fallback_forward_ms(tokens: int) -> float:
     return 1.0 + max(0, tokens - FALLBACK_KNEE_TOKENS) / FALLBACK_KNEE_TOKENS
 

@@ -119,6 +119,10 @@ REACH_INS: tuple[ReachIn, ...] = (
             "dflash_tree_drafter.py, config.py",
             "graph modes: FULL entries of the drafter's graph manager, DDTree's FULL "
             "default for joining requests", "never (public enum)"),
+    _attrs("vllm.config.compilation", "CUDAGraphMode", "separate_routine has_full_cudagraphs",
+           "online_budget.py (single_token_graph_lens)",
+           "whether a mode captures decode graphs of every length already, and FULL graphs "
+           "at all", "never (public enum methods)"),
     _attrs("vllm.config.model", "ModelConfig",
            "architectures hf_config hf_text_config uses_mrope get_sliding_window "
            "is_hybrid max_model_len enforce_eager dtype",

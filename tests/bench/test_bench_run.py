@@ -957,6 +957,11 @@ def test_flashtree_flag_selects_flashattention_tree_verification():
         ("VLLM_DDTREE_TREE_ATTENTION", "flash"),)
 
 
+def test_q1graphs_flag_asks_for_single_token_decode_graphs():
+    config = parse_config("ddtree-b64-t512-d2+static+q1graphs")
+    assert config.env == (("VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "1"),)
+
+
 def test_file_names_of_flagged_configs_avoid_the_plus():
     from bench import profile_step
     from bench.run import file_stem

@@ -58,7 +58,8 @@ def graph_manager(decode_query_len: int, num_spec: int, schedule=None, max_num_r
     # (use_kda_recoverssm, off here); 0.26.0 does not read it.
     manager.vllm_config = types.SimpleNamespace(
         speculative_config=spec, num_speculative_tokens=num_spec,
-        cache_config=types.SimpleNamespace(use_kda_recoverssm=False))
+        cache_config=types.SimpleNamespace(use_kda_recoverssm=False),
+        compilation_config=types.SimpleNamespace(cudagraph_mode=mode))
     manager._candidates, manager._capture_descs = {}, {}
     manager.use_breakable_cg = False
     manager._init_candidates()
@@ -180,3 +181,81 @@ def test_ddtree_online_budget_captures_decode_graphs_for_every_level():
     assert lens == {1, 2, 3, 5, 9}
     assert smallest_full_graph(manager, 1, 16) == 16
     assert smallest_full_graph(manager, 5, 4 * 5) == 20
+
+
+def _full_mode_ddtree_manager(monkeypatch, single_token_graphs: bool, largest: int = 512,
+                              mode=CUDAGraphMode.FULL):
+    monkeypatch.setenv("VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "1" if single_token_graphs else "0")
+    return graph_manager(65, 64, budget_schedule(512, 64), mode=mode,
+                         capture_sizes=default_capture_sizes(largest), ddtree_online=True)
+
+
+def test_full_mode_captures_only_mixed_graphs_unless_single_token_graphs_are_asked_for(monkeypatch):
+    """DDTree's default FULL mode: one mixed graph per token count, captured with the
+    tree bias, which its drafting-off steps replay. VLLM_DDTREE_SINGLE_TOKEN_GRAPHS=1
+    adds FULL decode graphs of one query token per request (patch
+    v2-runner_ddtree-single-token-decode-graphs) at every capture size up to
+    max_num_seqs, and nothing else."""
+    off = _full_mode_ddtree_manager(monkeypatch, False)
+    assert {d.uniform_token_count for d in off._capture_descs[CUDAGraphMode.FULL]} == {None}
+    on = _full_mode_ddtree_manager(monkeypatch, True)
+    full = on._capture_descs[CUDAGraphMode.FULL]
+    single = sorted(d.num_tokens for d in full if d.uniform_token_count == 1)
+    assert single == [s for s in default_capture_sizes(512) if s <= 64]
+    assert all(d.num_reqs == d.num_tokens for d in full if d.uniform_token_count == 1)
+    assert {d.uniform_token_count for d in full} == {None, 1}
+    # The mixed graphs are those of the engine without the switch.
+    assert sorted(d.num_tokens for d in full if d.uniform_token_count is None) == sorted(
+        d.num_tokens for d in off._capture_descs[CUDAGraphMode.FULL])
+    # Modes with a separate decode routine already capture every level's decode graphs.
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE,):
+        a = _full_mode_ddtree_manager(monkeypatch, False, mode=mode)
+        b = _full_mode_ddtree_manager(monkeypatch, True, mode=mode)
+        assert a._capture_descs == b._capture_descs
+
+
+@pytest.mark.parametrize("largest", LARGEST_GRAPHS)
+def test_a_batch_that_can_verify_a_tree_never_replays_a_single_token_decode_graph(
+        monkeypatch, largest):
+    """Those graphs are captured without the tree bias. That is sound only if no batch
+    with a tree replays one: a mixed batch (a tree beside one-token decodes, or a
+    joining prompt) and a uniform batch of more than one token a request find a mixed
+    graph; a batch of one token a request (a step that drafts nothing) finds one."""
+    manager = _full_mode_ddtree_manager(monkeypatch, True, largest)
+    for num_tokens in range(2, largest + 1):
+        for num_reqs in {1, min(num_tokens, 64) // 2 or 1, min(num_tokens, 64)}:
+            desc = manager.dispatch(num_reqs, num_tokens, None, 0)
+            assert desc.cg_mode == CUDAGraphMode.FULL and desc.uniform_token_count is None
+        for query_len in range(2, 66):
+            if num_tokens % query_len == 0 and num_tokens // query_len <= 64:
+                desc = manager.dispatch(num_tokens // query_len, num_tokens, query_len, 0)
+                assert desc.cg_mode == CUDAGraphMode.FULL, (num_tokens, query_len)
+                assert desc.uniform_token_count is None, (num_tokens, query_len)
+    for num_reqs in range(1, 65):
+        desc = manager.dispatch(num_reqs, num_reqs, 1, 0)
+        assert desc.cg_mode == CUDAGraphMode.FULL and desc.uniform_token_count == 1
+        assert desc.num_reqs >= num_reqs
+
+
+def test_single_token_decode_graphs_are_captured_without_the_tree_bias(monkeypatch):
+    """The runner drops the bias from the metadata of the FULL decode graphs of one query
+    token per request, and only from them (every other capture keeps what the builder
+    gave it)."""
+    drop = getattr(cudagraph_utils, "drop_tree_bias_from_single_token_decode_graph", None)
+    if drop is None:
+        pytest.skip("this pin's series has no one-token decode graphs under FULL mode")
+    manager = _full_mode_ddtree_manager(monkeypatch, True)
+    bias = object()
+    seen = set()
+    for desc in manager._capture_descs[CUDAGraphMode.FULL]:
+        shared = types.SimpleNamespace(tree_attn_bias=bias)
+        metadata = {"layers.0.attn": shared, "layers.1.attn": shared,
+                    "drafter.attn": types.SimpleNamespace(tree_attn_bias=None),
+                    "other.attn": types.SimpleNamespace()}
+        drop(desc, metadata)
+        assert (shared.tree_attn_bias is bias) == (desc.uniform_token_count != 1), desc
+        assert metadata["drafter.attn"].tree_attn_bias is None
+        assert not hasattr(metadata["other.attn"], "tree_attn_bias")
+        seen.add(desc.uniform_token_count)
+    assert seen == {None, 1}
+    drop(manager._capture_descs[CUDAGraphMode.FULL][0], None)  # no metadata: nothing to do
