@@ -40,8 +40,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vllm_ddtree.tree_attention import allocate_tree_attn_bias  # noqa: E402
-
 # Qwen3-8B's attention: 32 query heads, 8 KV heads of 128.
 SHAPE_8B = dict(q_heads=32, kv_heads=8, head_size=128)
 # The cost8b suite's random prompts (64-255 tokens) after 0-63 generated tokens.
@@ -74,6 +72,10 @@ def build_inputs(num_seqs: int, *, q_heads: int, kv_heads: int, head_size: int,
     """One decode step: ``num_seqs`` sequences of one query token each, their KV in a
     paged cache laid out as vLLM's Triton backend reads it (logical (blocks, heads,
     block, 2 x head) stored block-major, split into K and V views)."""
+    # Imported here: it imports Triton, which must not be imported while pytest collects
+    # this module (tests/unit/conftest.py picks Triton's interpreter before that).
+    from vllm_ddtree.tree_attention import allocate_tree_attn_bias
+
     gen = torch.Generator().manual_seed(seed)
     lo, hi = seq_len_range
     seq_lens = torch.randint(lo, hi + 1, (num_seqs,), generator=gen, dtype=torch.int32)

@@ -19,13 +19,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from bench import attention_kernel as ak  # noqa: E402
+# bench.attention_kernel is imported in the tests, not here: collecting this module must
+# not import Triton before tests/unit/conftest.py has chosen its interpreter.
 
 SMALL = dict(q_heads=4, kv_heads=2, head_size=32, block_size=16, tree_nodes=9,
              dtype=torch.float32, device="cpu", seed=3, seq_len_range=(5, 60))
 
 
 def test_interleaved_placement_gives_every_other_block():
+    from bench import attention_kernel as ak
+
     b = ak.build_inputs(3, placement="interleaved", **SMALL)
     used = b["block_table"][b["block_table"] >= 0]
     rows = [b["block_table"][s, : (int(n) + 15) // 16].tolist() for s, n in enumerate(b["seqused_k"])]
@@ -42,6 +45,8 @@ def test_interleaved_placement_gives_every_other_block():
 
 
 def test_the_reference_notices_a_wrong_kv_placement():
+    from bench import attention_kernel as ak
+
     b = ak.build_inputs(2, placement="contiguous", **SMALL)
     ref = ak.reference_decode(b)
     wrong = dict(b, block_table=b["block_table"].flip(0))
