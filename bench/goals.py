@@ -117,19 +117,25 @@ def per_file_ratios(ddtree: dict, plain: dict) -> list[float]:
             for i, runs in sorted(plain["by_file"].items()) if i in ddtree["by_file"]]
 
 
+def file_pairs(roles: dict, others: tuple[str, ...], index: int) -> list[float] | None:
+    """Repeat i of DDTree over the best of ``others``' repeat i in file ``index``, or None
+    unless that file interleaved its engines and ran DDTree and all of ``others`` the
+    same number of times."""
+    if not roles.get("_interleaved", {}).get(index) or "ddtree" not in roles:
+        return None
+    ddtree = roles["ddtree"]["by_file"].get(index)
+    base = [roles[r]["by_file"].get(index) for r in others if r in roles]
+    if not ddtree or len(base) != len(others) or any(
+            b is None or len(b) != len(ddtree) for b in base):
+        return None
+    return [d / max(col) for d, col in zip(ddtree, zip(*base))]
+
+
 def paired_ratios(roles: dict, others: tuple[str, ...]) -> list[float]:
-    """Repeat i of DDTree over the best of ``others``' repeat i, in every interleaved
-    file that ran DDTree and all of ``others`` the same number of times."""
+    """:func:`file_pairs` of every file, in the order the files were given."""
     ratios = []
-    for index, interleaved in sorted(roles.get("_interleaved", {}).items()):
-        if not interleaved or "ddtree" not in roles:
-            continue
-        ddtree = roles["ddtree"]["by_file"].get(index)
-        base = [roles[r]["by_file"].get(index) for r in others if r in roles]
-        if not ddtree or len(base) != len(others) or any(
-                b is None or len(b) != len(ddtree) for b in base):
-            continue
-        ratios += [d / max(col) for d, col in zip(ddtree, zip(*base))]
+    for index in sorted(roles.get("_interleaved", {})):
+        ratios += file_pairs(roles, others, index) or []
     return ratios
 
 
@@ -150,13 +156,12 @@ def latest_file(roles: dict, others: tuple[str, ...]) -> dict | None:
     if not files:
         return None
     index = max(files)
-    ddtree = roles["ddtree"]["by_file"][index]
-    base = [roles[r]["by_file"][index] for r in others]
-    if roles.get("_interleaved", {}).get(index) and all(len(b) == len(ddtree) for b in base):
-        ratio = statistics.median(d / max(col) for d, col in zip(ddtree, zip(*base)))
-        basis = "paired"
+    pairs = file_pairs(roles, others, index)
+    if pairs:
+        ratio, basis = statistics.median(pairs), "paired"
     else:
-        ratio = statistics.median(ddtree) / max(statistics.median(b) for b in base)
+        ratio = (statistics.median(roles["ddtree"]["by_file"][index])
+                 / max(statistics.median(roles[r]["by_file"][index]) for r in others))
         basis = "medians"
     return {"file": index, "git_rev": roles.get("_revs", {}).get(index),
             "ddtree_vs_best_other": round(ratio, 4), "basis": basis,
