@@ -90,21 +90,20 @@ def build_inputs(num_seqs: int, *, q_heads: int, kv_heads: int, head_size: int,
             block_table[s, b] = nxt
             nxt += stride
     kv = torch.randn(num_blocks, block_size, kv_heads, 2 * head_size, generator=gen).to(dtype)
-    key_cache, value_cache = kv.split(head_size, dim=-1)
     query = torch.randn(num_seqs, q_heads, head_size, generator=gen).to(dtype)
     bias = allocate_tree_attn_bias(num_seqs, tree_nodes, "cpu")  # zero rows: no tree
     threshold = three_d_max_seqs if three_d_max_seqs is not None else num_seqs
     batch = dict(
-        q=query, k=key_cache, v=value_cache, out=torch.empty_like(query),
+        q=query, out=torch.empty_like(query),
         cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32), seqused_k=seq_lens,
         block_table=block_table, bias=bias, kv=kv,
         segm_output=torch.empty(threshold, q_heads, segments, head_size, dtype=torch.float32),
         segm_max=torch.empty(threshold, q_heads, segments, dtype=torch.float32),
         segm_expsum=torch.empty(threshold, q_heads, segments, dtype=torch.float32),
     )
-    moved = {k: v.to(device) for k, v in batch.items() if k not in ("k", "v")}
-    kv_dev = moved.pop("kv")
-    moved["k"], moved["v"] = kv_dev.split(head_size, dim=-1)
+    moved = {k: v.to(device) for k, v in batch.items()}
+    # K and V: views into one cache tensor, as the backend splits it.
+    moved["k"], moved["v"] = moved.pop("kv").split(head_size, dim=-1)
     moved.update(threshold=threshold, segments=segments, max_seq_len=int(seq_lens.max()),
                  head_size=head_size, kv_heads=kv_heads)
     return moved
