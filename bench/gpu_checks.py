@@ -83,8 +83,45 @@ def _engine(target, spec, eager, dummy, dtype, **kw):
             max_model_len=2048,
             seed=0,
             tensor_parallel_size=int(os.environ.get("DDTREE_CHECK_TP", "1")),
+            **_executor_kw(),
             **kw,
         )
+
+
+def _parallel() -> dict:
+    """The checks' tensor-parallel size and executor (DDTREE_CHECK_TP,
+    DDTREE_CHECK_EXECUTOR: vLLM's own choice, mp with more than one GPU, when unset)."""
+    tp = int(os.environ.get("DDTREE_CHECK_TP", "1"))
+    return dict(tp=tp, executor=os.environ.get("DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni"))
+
+
+def _executor_kw() -> dict:
+    """``distributed_executor_backend`` for the engines when DDTREE_CHECK_EXECUTOR is set."""
+    backend = os.environ.get("DDTREE_CHECK_EXECUTOR")
+    return {"distributed_executor_backend": backend} if backend else {}
+
+
+def _rank_trace_env(results: dict, name: str) -> dict[str, str]:
+    """With tensor parallelism, a fresh VLLM_DDTREE_RANK_TRACE directory for engine
+    ``name`` (vllm_ddtree.rank_trace); {} with one GPU."""
+    if results.get("tp", 1) <= 1:
+        return {}
+    directory = tempfile.mkdtemp(prefix=f"rank-trace-{name}-")
+    results.setdefault("_rank_trace_dirs", {})[name] = directory
+    return {"VLLM_DDTREE_RANK_TRACE": directory}
+
+
+def _record_rank_trace(results: dict, name: str) -> None:
+    """The ranks' traces of engine ``name`` compared (after its last generation):
+    ``results["rank_traces"][name]``."""
+    directory = results.get("_rank_trace_dirs", {}).pop(name, None)
+    if directory is None:
+        return
+    from vllm_ddtree.rank_trace import compare_rank_traces
+
+    trace = compare_rank_traces(directory)
+    results.setdefault("rank_traces", {})[name] = trace
+    print(json.dumps(dict(rank_trace=name, **trace)), flush=True)
 
 
 def _free(llm):
@@ -328,8 +365,7 @@ def run_equiv(args) -> dict:
                             results, target=name, config=f"{method}-{budget}", graphs=not eager,
                             batch=bs, sampling=m, scenario="random-prompts",
                             identical=entry["identical_outputs"], total=entry["num_outputs"],
-                            tp=tp, executor=os.environ.get(
-                                "DDTREE_CHECK_EXECUTOR", "mp" if tp > 1 else "uni")))
+                            **_parallel()))
                         print(json.dumps(entry), flush=True)
                         with open(args.out, "w") as f:  # what a stopped run measured
                             json.dump(dict(results, complete=False, command=" ".join(sys.argv)),
@@ -427,7 +463,7 @@ def equivalence_case(results: dict, entry: dict, sampling: str) -> dict | None:
                     graphs=not results["eager"], batch=entry["batch"], sampling=sampling,
                     scenario=scenario, identical=entry["identical_outputs"],
                     total=entry["num_outputs"], prompt_set=results["prompt_set"],
-                    batch_invariant=results["batch_invariant"])
+                    batch_invariant=results["batch_invariant"], **_parallel())
 
 
 def _provenance() -> dict:
@@ -593,7 +629,7 @@ def run_equiv_real(args) -> dict:
                    eager=eager, prompt_set=args.prompt_set, max_tokens=args.max_tokens,
                    sampling=args.sampling, **_provenance(),
                    target_name=args.target_name or os.path.basename(target.rstrip("/")),
-                   runs=[], cases=[])
+                   **_parallel(), runs=[], cases=[])
     results["batch_invariant"] = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     wanted = set(args.variants or EQUIV_REAL_VARIANTS)
 
@@ -607,8 +643,8 @@ def run_equiv_real(args) -> dict:
         # Written after every entry: a run stopped by its timeout keeps what it measured
         # (main() rewrites the file, with the command, when the run completes).
         with open(args.out, "w") as f:
-            json.dump(dict(results, complete=False, command=" ".join(sys.argv)), f, indent=2,
-                      default=str)
+            json.dump(dict({k: v for k, v in results.items() if k != "_rank_trace_dirs"},
+                           complete=False, command=" ".join(sys.argv)), f, indent=2, default=str)
 
     modes = args.sampling
     base = _engine(target, None, eager, False, args.dtype)
@@ -663,7 +699,8 @@ def run_equiv_real(args) -> dict:
         method = "dflash" if name.startswith("dflash") else "ddtree"
         spec = dict(method=method, model=drafter, **spec_extra)
         try:
-            with engine_environment(env):
+            trace_env = _rank_trace_env(results, name) if method == "ddtree" else {}
+            with engine_environment(dict(env, **trace_env)):
                 llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
                               **engine_kw)
         except Exception as exc:
@@ -704,6 +741,7 @@ def run_equiv_real(args) -> dict:
                                 reference_tokens=_differing(kept_out, ref[m][n])), m)
                 except Exception as exc:
                     record(dict(config=name + "-aborts", error=repr(exc)[:1500]), m)
+        _record_rank_trace(results, name)
         _free(llm)
 
     # KV-cache pressure: few blocks, so the scheduler preempts and recomputes.
@@ -714,8 +752,9 @@ def run_equiv_real(args) -> dict:
         if name not in wanted:
             continue
         try:
-            llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
-                          num_gpu_blocks_override=blocks)
+            with engine_environment(_rank_trace_env(results, name) if spec else {}):
+                llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
+                              num_gpu_blocks_override=blocks)
             for m in modes:
                 out, secs = _generate(llm, prompts[:n], args.max_tokens, m)
                 stats = {}
@@ -728,6 +767,7 @@ def run_equiv_real(args) -> dict:
                 record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
                             preemption_metrics=stats, **_compare(out, ref[m][n]),
                             reference_tokens=_differing(out, ref[m][n])), m)
+            _record_rank_trace(results, name)
             _free(llm)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
@@ -782,6 +822,9 @@ def main() -> None:
     args = parser.parse_args()
     run = {"smoke": run_smoke, "equiv": run_equiv, "equiv-real": run_equiv_real}[args.mode]
     result = run(args)
+    result.pop("_rank_trace_dirs", None)
+    if result.get("rank_traces"):
+        result["rank_traces_identical"] = all(t["identical"] for t in result["rank_traces"].values())
     result["command"] = " ".join(sys.argv)
     result["complete"] = True
     with open(args.out, "w") as f:

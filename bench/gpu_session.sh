@@ -50,6 +50,12 @@
 #   bash bench/gpu_session.sh ci       # bench/run.py --suite ci -> the regression baseline
 #   bash bench/gpu_session.sh tp       # greedy equivalence with tensor parallelism 2 (2 GPUs,
 #                                      # tiny random Qwen3 pair: SmolLM2 has 9 heads)
+#   bash bench/gpu_session.sh tp-real  # TP=2 float32 equivalence on the benchmark pair padded for
+#                                      # it (eager and graphs, online budget, batch-aware budget,
+#                                      # aborts, preemption, ranks' traces compared; 2 GPUs)
+#   bash bench/gpu_session.sh tp-bench # TP=2 bf16 tokens/s: plain, chain, DDTree (2 GPUs)
+#   bash bench/gpu_session.sh tp-ray   # TP=2 on vLLM's Ray executor, two Ray nodes started by the
+#                                      # multi-node overlay's commands, OpenAI server (2 GPUs)
 #   bash bench/gpu_session.sh exact    # greedy equivalence with vLLM's batch-invariant kernels
 #                                      # (VLLM_BATCH_INVARIANT=1), CUDA graphs, EXACT_DTYPES
 #                                      # (float32; "float32 bfloat16" splits the time),
@@ -113,6 +119,17 @@ prepare() {
       --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
   fi
   apply_series
+}
+
+# The benchmark pair padded for tensor parallelism 2 (bench/fixture/pad_heads.py).
+TP_TARGET="${DDTREE_TP_TARGET:-/opt/smollm2-hf-tp2}" TP_DRAFTER="${DDTREE_TP_DRAFTER:-/opt/smollm2-dflash-tp2}"
+pad_for_tp() {
+  for pair in "$TARGET:$TP_TARGET" "$DRAFTER:$TP_DRAFTER"; do
+    if [ ! -f "${pair#*:}/config.json" ]; then
+      python3 -m bench.fixture.pad_heads --tp 2 --model "${pair%%:*}" --out "${pair#*:}" \
+        >> "$OUT/pad-heads.log" 2>&1 || { echo "pad_heads failed"; tail -5 "$OUT/pad-heads.log"; exit 1; }
+    fi
+  done
 }
 
 FUSED_TESTS="tests/unit/test_tree_walk_fused.py tests/unit/test_tree_bias_fused.py
@@ -341,6 +358,56 @@ case "$step" in
       --eager-modes eager graphs > "$OUT/gpu-equiv-tiny-tp2.log" 2>&1
     echo "tp rc=$?"; grep '^{' "$OUT/gpu-equiv-tiny-tp2.log" | cut -c1-400
     ;;
+  tp-real)
+    # Tensor parallelism 2 on the benchmark pair itself: SmolLM2 and its drafter have 9
+    # query / 3 KV heads, so both are padded with zero heads that change no output
+    # (bench/fixture/pad_heads.py: 12 / 4), and the trained drafter accepts as on one GPU.
+    # Float32, greedy and seeded, TP_MODES (eager graphs), against TP=2 without
+    # speculation; the online budget controller on (ddtree-async), the batch-aware
+    # budget (ddtree-tokens-per-step), aborts, preemption; each DDTree engine's ranks
+    # trace what they verified every step (VLLM_DDTREE_RANK_TRACE) and must agree.
+    prepare
+    pad_for_tp
+    read -r -a tmodes <<< "${TP_MODES:-eager graphs}"
+    for m in "${tmodes[@]}"; do
+      # shellcheck disable=SC2086  # lists of words
+      DDTREE_CHECK_TP=2 timeout "${TP_TIMEOUT_S:-540}" python3 bench/gpu_checks.py equiv-real \
+        --target "$TP_TARGET" --drafter "$TP_DRAFTER" --data "$DATA" \
+        --out "$OUT/equiv-smollm2-padded-tp2-fp32-$m.json" --dtype float32 --num-prompts 16 \
+        --max-tokens "${TP_MAX_TOKENS:-96}" --budgets 32 --batch-sizes 1 16 --eager-modes "$m" \
+        --prompt-set sharegpt --target-name smollm2-135m-padded-tp2 --near-ties \
+        --sampling ${TP_SAMPLING:-greedy seeded} \
+        --variants ${TP_VARIANTS:-ddtree-async ddtree-tokens-per-step ddtree-preempt no-spec-preempt} \
+        > "$OUT/equiv-tp2-$m.log" 2>&1
+      echo "tp-real $m rc=$?"; grep '^{' "$OUT/equiv-tp2-$m.log" | cut -c1-400
+    done
+    ;;
+  tp-bench)
+    # Tokens/s with tensor parallelism 2, bf16, CUDA graphs: plain decoding, the chain
+    # and DDTree on the padded benchmark pair (tp-real), held-out sharegpt-untrained,
+    # engines interleaved (TP_BENCH_CONFIGS, TP_BENCH_BATCH_SIZES, TP_BENCH_TEMPERATURES).
+    prepare
+    pad_for_tp
+    read -r -a configs <<< "${TP_BENCH_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
+    TARGET="$TP_TARGET" DRAFTER="$TP_DRAFTER" fixture_bench tp2 570 --configs "${configs[@]}" \
+      --tensor-parallel-size 2 --interleave --prompt-sets sharegpt-untrained \
+      --temperatures ${TP_BENCH_TEMPERATURES:-0} --batch-sizes ${TP_BENCH_BATCH_SIZES:-1 16} \
+      --repeats "${TP_BENCH_REPEATS:-3}" --max-tokens 192 --cell-mode steady --min-waves 4 \
+      --output-lengths varied --time-budget-s "${BENCH_BUDGET_S:-540}" --engine-estimate-s 120
+    ;;
+  tp-ray)
+    # vLLM's Ray executor, TP=2, as the multi-node overlay starts it: the
+    # LeaderWorkerSet's leader command (Ray head, then the image's entrypoint) on GPU 0,
+    # its worker command (joins the head) on GPU 1, two Ray nodes on one host; DDTree
+    # served through the OpenAI server, float32, greedy and seeded answers against the
+    # same cluster serving without speculation (bench/serve_ray.py).
+    prepare
+    pad_for_tp
+    timeout 560 python3 bench/serve_ray.py --target "$TP_TARGET" --drafter "$TP_DRAFTER" \
+      --overlay deploy/k8s/overlays/multi-node-ray --out "$OUT/serve-ray-tp2.json" \
+      --log-dir "$OUT/serve-ray" --time-budget 520 > "$OUT/serve-ray.log" 2>&1
+    echo "tp-ray rc=$?"; tail -30 "$OUT/serve-ray.log" | cut -c1-300
+    ;;
   exact)
     prepare
     # One dtype per device call by default: a float32 engine took 99 s to start in
@@ -477,7 +544,7 @@ case "$step" in
     echo "profile rc=$?"; grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
     ;;
-  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|exact|flashtests|gap-profile|attention-kernel|profile|drafter-data|drafter-train|drafter-eval" >&2; exit 2 ;;
+  *) echo "usage: $0 STEP [STEP ...], STEP = checks|bench|online|goals|serve|cost|algos|lossless|shapes|graphs|ci|tp|tp-real|tp-bench|tp-ray|exact|flashtests|gap-profile|attention-kernel|profile|drafter-data|drafter-train|drafter-eval" >&2; exit 2 ;;
 esac
 done
 # COMPILE_CACHE_SAVE=1: the compile caches back in $OUT (one file of at most 15 MiB, or

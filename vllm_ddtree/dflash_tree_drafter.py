@@ -42,6 +42,7 @@ from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
 from vllm_ddtree.online_budget import graph_budget_levels, online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
+from vllm_ddtree.rank_trace import RankTrace
 from vllm_ddtree.step_profile import StepProfiler
 from vllm_ddtree.tree_attention import register_tree_attn_bias
 from vllm_ddtree.tree_builder import build_trees, empty_tree, fill_root_only_trees_
@@ -123,7 +124,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         # positions, the walk and the accepted path's compaction, one TreeStep a step.
         self.verifier = TreeVerifier(self.max_num_reqs, self.tree_budget, self.tree_depth,
                                      self.max_num_tokens, device, self.fused_kernels,
-                                     self.profiler)
+                                     self.profiler, RankTrace.from_env())
         # Budget to draft for, by the batch size the drafter runs at (None: always the
         # full tree). The scheduler's lookup is vLLM's own, so both agree; graph padding
         # is accounted for once the drafter's graphs are known (init_cudagraph_manager).

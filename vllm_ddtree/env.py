@@ -69,9 +69,15 @@ BUDGET_REPORT = Switch(
     "acceptance and step time per budget, by batch size) to this JSON file every 2 s "
     "of decoding (vllm_ddtree.online_budget)")
 
+RANK_TRACE = Switch(
+    "VLLM_DDTREE_RANK_TRACE", "path", None,
+    "a directory: each rank appends what it verified every step (requests, tokens, draft "
+    "tokens, next budget) to rank-<R>.txt there, so that tensor-parallel ranks can be "
+    "shown to follow one decision (vllm_ddtree.rank_trace)")
+
 SWITCHES: tuple[Switch, ...] = (FUSED_KERNELS, LEAN_DRAFT, CONTEXT_GRAPHS, DEFER_CONTEXT,
                                 DIRECT_LAUNCH, SINGLE_TOKEN_GRAPHS, TREE_ATTENTION, PROFILE,
-                                COST_MODEL_REPORT, BUDGET_REPORT)
+                                COST_MODEL_REPORT, BUDGET_REPORT, RANK_TRACE)
 
 
 def known_names() -> frozenset[str]:
@@ -156,3 +162,7 @@ def cost_model_report_path() -> str | None:
 
 def budget_report_path() -> str | None:
     return _path(BUDGET_REPORT)
+
+
+def rank_trace_dir() -> str | None:
+    return _path(RANK_TRACE)

@@ -96,12 +96,14 @@ class TreeVerifier:
 
     def __init__(self, max_num_reqs: int, tree_budget: int, tree_depth: int,
                  max_num_tokens: int, device: torch.device | str, fused_kernels: bool,
-                 profiler: Any = None) -> None:
+                 profiler: Any = None, rank_trace: Any = None) -> None:
         self.tree_budget = tree_budget
         self.tree_depth = tree_depth
         self.num_tree_nodes = tree_budget + 1
         self.fused_kernels = fused_kernels
         self.profiler = profiler
+        # Opt-in: what this rank verified each step (VLLM_DDTREE_RANK_TRACE).
+        self.rank_trace = rank_trace
         shape = (max_num_reqs, self.num_tree_nodes)
         self.parents_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
         self.depths_by_state = torch.zeros(shape, dtype=torch.int32, device=device)
@@ -202,6 +204,9 @@ class TreeVerifier:
             # Tokens beyond each request's root and drafts are prompt tokens.
             with_prefill = input_batch.num_tokens > num_reqs + input_batch.num_draft_tokens
             self.profiler.mark("verify", num_reqs, with_prefill, input_batch.num_tokens)
+        if self.rank_trace is not None:
+            self.rank_trace.record(num_reqs, input_batch.num_tokens,
+                                   input_batch.num_draft_tokens, step.next_budget)
         if input_batch.num_draft_tokens == 0 and input_batch.num_tokens == num_reqs:
             # One query token per request (decodes without drafts, budget-0 steps):
             # attention reads only bias[r, 0, 0], which is 0 in every tree written
