@@ -46,10 +46,11 @@ DIRECT_LAUNCH = Switch(
     "per-step kernels launch through their compiled launcher after Triton's first "
     "launch (vllm_ddtree._triton.DirectLauncher); 0 keeps Triton's launch path")
 SINGLE_TOKEN_GRAPHS = Switch(
-    "VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "flag", False,
+    "VLLM_DDTREE_SINGLE_TOKEN_GRAPHS", "flag", True,
     "under cudagraph_mode FULL (DDTree's default on Triton attention) also capture FULL "
     "decode graphs of one query token per request, without the tree bias, which the "
-    "steps that draft nothing replay instead of the mixed graphs (opt-in: not measured)")
+    "steps that draft nothing replay instead of the mixed graphs; 0 captures only the "
+    "mixed graphs")
 TREE_ATTENTION = Switch(
     "VLLM_DDTREE_TREE_ATTENTION", "choice", "triton",
     "which attention backend verifies trees: the patched Triton unified attention or "

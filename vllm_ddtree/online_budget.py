@@ -125,7 +125,7 @@ def single_token_graph_lens(vllm_config: Any) -> list[int]:
     """Under ``cudagraph_mode`` FULL vLLM captures only mixed graphs, which a DDTree
     engine captures with the tree bias (a tree may replay them), so its steps that draft
     nothing run the attention kernel compiled with the bias. With
-    ``VLLM_DDTREE_SINGLE_TOKEN_GRAPHS`` (opt-in) the V2 runner's graph manager (patch
+    ``VLLM_DDTREE_SINGLE_TOKEN_GRAPHS`` (on by default) the V2 runner's graph manager (patch
     ``v2-runner_ddtree-single-token-decode-graphs``) also captures FULL decode graphs of
     one query token per request, without the bias: ``[1]``, else ``[]``. Modes with a
     separate decode routine capture decode graphs of every length anyway."""
