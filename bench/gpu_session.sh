@@ -389,6 +389,7 @@ case "$step" in
     prepare
     pad_for_tp
     read -r -a configs <<< "${TP_BENCH_CONFIGS:-no-spec dflash-t512 ddtree-b64-t512}"
+    # shellcheck disable=SC2086  # lists of words
     TARGET="$TP_TARGET" DRAFTER="$TP_DRAFTER" fixture_bench tp2 570 --configs "${configs[@]}" \
       --tensor-parallel-size 2 --interleave --prompt-sets sharegpt-untrained \
       --temperatures ${TP_BENCH_TEMPERATURES:-0} --batch-sizes ${TP_BENCH_BATCH_SIZES:-1 16} \
