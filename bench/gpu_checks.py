@@ -82,7 +82,7 @@ def _engine(target, spec, eager, dummy, dtype, **kw):
             gpu_memory_utilization=float(os.environ.get("GPU_MEM_UTIL", "0.12")),
             max_model_len=2048,
             seed=0,
-            tensor_parallel_size=int(os.environ.get("DDTREE_CHECK_TP", "1")),
+            tensor_parallel_size=_parallel()["tp"],
             **_executor_kw(),
             **kw,
         )
@@ -101,20 +101,21 @@ def _executor_kw() -> dict:
     return {"distributed_executor_backend": backend} if backend else {}
 
 
-def _rank_trace_env(results: dict, name: str) -> dict[str, str]:
-    """With tensor parallelism, a fresh VLLM_DDTREE_RANK_TRACE directory for engine
-    ``name`` (vllm_ddtree.rank_trace); {} with one GPU."""
-    if results.get("tp", 1) <= 1:
-        return {}
-    directory = tempfile.mkdtemp(prefix=f"rank-trace-{name}-")
-    results.setdefault("_rank_trace_dirs", {})[name] = directory
-    return {"VLLM_DDTREE_RANK_TRACE": directory}
+def _rank_trace_dir(name: str) -> str | None:
+    """With tensor parallelism, a fresh directory for DDTree engine ``name``'s
+    VLLM_DDTREE_RANK_TRACE (vllm_ddtree.rank_trace); None with one GPU."""
+    if _parallel()["tp"] <= 1:
+        return None
+    return tempfile.mkdtemp(prefix=f"rank-trace-{name}-")
 
 
-def _record_rank_trace(results: dict, name: str) -> None:
-    """The ranks' traces of engine ``name`` compared (after its last generation):
-    ``results["rank_traces"][name]``."""
-    directory = results.get("_rank_trace_dirs", {}).pop(name, None)
+def _rank_trace_env(directory: str | None) -> dict[str, str]:
+    return {"VLLM_DDTREE_RANK_TRACE": directory} if directory else {}
+
+
+def _record_rank_trace(results: dict, name: str, directory: str | None) -> None:
+    """The ranks' traces of engine ``name`` in ``directory`` compared (after its last
+    generation): ``results["rank_traces"][name]``."""
     if directory is None:
         return
     from vllm_ddtree.rank_trace import compare_rank_traces
@@ -311,9 +312,8 @@ def run_equiv(args) -> dict:
         prompts = [{"prompt_token_ids": p["prompt_token_ids"]} if "prompt_token_ids" in p else p["prompt"] for p in prompts]
     else:
         prompts = _prompts(args.num_prompts)
-    tp = int(os.environ.get("DDTREE_CHECK_TP", "1"))
     results = dict(mode="equiv", dummy=dummy, dtype=args.dtype, sampling=args.sampling,
-                   **_provenance(), tp=tp, max_tokens=args.max_tokens, runs=[], cases=[])
+                   **_provenance(), **_parallel(), max_tokens=args.max_tokens, runs=[], cases=[])
     shapes = args.target_shapes if dummy else [None]
     for shape in shapes:
         if dummy:
@@ -643,8 +643,8 @@ def run_equiv_real(args) -> dict:
         # Written after every entry: a run stopped by its timeout keeps what it measured
         # (main() rewrites the file, with the command, when the run completes).
         with open(args.out, "w") as f:
-            json.dump(dict({k: v for k, v in results.items() if k != "_rank_trace_dirs"},
-                           complete=False, command=" ".join(sys.argv)), f, indent=2, default=str)
+            json.dump(dict(results, complete=False, command=" ".join(sys.argv)), f, indent=2,
+                      default=str)
 
     modes = args.sampling
     base = _engine(target, None, eager, False, args.dtype)
@@ -699,8 +699,8 @@ def run_equiv_real(args) -> dict:
         method = "dflash" if name.startswith("dflash") else "ddtree"
         spec = dict(method=method, model=drafter, **spec_extra)
         try:
-            trace_env = _rank_trace_env(results, name) if method == "ddtree" else {}
-            with engine_environment(dict(env, **trace_env)):
+            trace_dir = _rank_trace_dir(name) if method == "ddtree" else None
+            with engine_environment(dict(env, **_rank_trace_env(trace_dir))):
                 llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
                               **engine_kw)
         except Exception as exc:
@@ -741,7 +741,7 @@ def run_equiv_real(args) -> dict:
                                 reference_tokens=_differing(kept_out, ref[m][n])), m)
                 except Exception as exc:
                     record(dict(config=name + "-aborts", error=repr(exc)[:1500]), m)
-        _record_rank_trace(results, name)
+        _record_rank_trace(results, name, trace_dir)
         _free(llm)
 
     # KV-cache pressure: few blocks, so the scheduler preempts and recomputes.
@@ -752,7 +752,8 @@ def run_equiv_real(args) -> dict:
         if name not in wanted:
             continue
         try:
-            with engine_environment(_rank_trace_env(results, name) if spec else {}):
+            trace_dir = _rank_trace_dir(name) if spec else None
+            with engine_environment(_rank_trace_env(trace_dir)):
                 llm = _engine(target, spec, eager, False, args.dtype, disable_log_stats=False,
                               num_gpu_blocks_override=blocks)
             for m in modes:
@@ -767,7 +768,7 @@ def run_equiv_real(args) -> dict:
                 record(dict(config=name, batch=n, num_gpu_blocks=blocks, seconds=round(secs, 3),
                             preemption_metrics=stats, **_compare(out, ref[m][n]),
                             reference_tokens=_differing(out, ref[m][n])), m)
-            _record_rank_trace(results, name)
+            _record_rank_trace(results, name, trace_dir)
             _free(llm)
         except Exception as exc:
             record(dict(config=name, error=repr(exc)[:1500]))
@@ -822,7 +823,6 @@ def main() -> None:
     args = parser.parse_args()
     run = {"smoke": run_smoke, "equiv": run_equiv, "equiv-real": run_equiv_real}[args.mode]
     result = run(args)
-    result.pop("_rank_trace_dirs", None)
     if result.get("rank_traces"):
         result["rank_traces_identical"] = all(t["identical"] for t in result["rank_traces"].values())
     result["command"] = " ".join(sys.argv)

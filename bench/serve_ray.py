@@ -40,8 +40,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.run import first_difference  # noqa: E402
 from bench.serve_e2e import (  # noqa: E402
-    IMAGE_ENV, Deadline, ProcessRegistry, child_env, http, read_env_file, spec_decode_summary, tail,
+    IMAGE_ENV, Deadline, Run, builtin_prompts, child_env, http, read_env_file,
+    spec_decode_summary, wait_healthy,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,18 +144,12 @@ async def _complete(base: str, model: str, prompts: list[str], mode: str, concur
         return list(await asyncio.gather(*(one(session, i, p) for i, p in enumerate(prompts))))
 
 
-def first_difference(a: list[int] | None, b: list[int] | None) -> int | None:
-    if a == b:
-        return None
-    a, b = a or [], b or []
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 class Cluster:
     """One LeaderWorkerSet group on this host: the leader's and the workers' scripts."""
 
-    def __init__(self, args, procs: ProcessRegistry, overlay: dict, env: dict, name: str):
-        self.args, self.procs, self.overlay, self.env, self.name = args, procs, overlay, env, name
+    def __init__(self, run: Run, overlay: dict, env: dict, name: str):
+        self.args, self.procs = run.args, run.procs
+        self.overlay, self.env, self.name = overlay, env, name
         self.leader = None
         self.workers: list = []
         self.logs: dict[str, str] = {}
@@ -184,19 +180,6 @@ class Cluster:
     def leader_script(self) -> str:
         return self.overlay["leader"].replace(IMAGE_ENTRYPOINT, ENTRYPOINT)
 
-    def wait_healthy(self, base: str, deadline: Deadline) -> dict:
-        t0 = time.monotonic()
-        end = t0 + deadline.bound(self.args.startup_timeout)
-        while time.monotonic() < end:
-            if self.leader.poll() is not None:
-                return dict(ok=False, leader_returncode=self.leader.returncode,
-                            seconds=round(time.monotonic() - t0, 1), log_tail=tail(self.logs["leader"]))
-            if http("GET", base + "/health", timeout=5).status == 200:
-                return dict(ok=True, seconds=round(time.monotonic() - t0, 1))
-            time.sleep(2)
-        return dict(ok=False, timed_out=True, seconds=round(time.monotonic() - t0, 1),
-                    log_tail=tail(self.logs["leader"]))
-
     def ray_status(self) -> str:
         try:
             return subprocess.run(["ray", "status"], env=self.env, capture_output=True, text=True,
@@ -211,17 +194,21 @@ class Cluster:
         return info
 
 
-def serve_and_ask(args, procs, overlay, env, name, prompts, deadline, result) -> dict | None:
-    """Start the group with ``env``, wait for the server, send every (mode, batch)
-    request set; the answers by "mode/batch", or None when the server never came up."""
-    cluster = Cluster(args, procs, overlay, env, name)
-    info = result.setdefault("servers", {}).setdefault(name, {})
+def serve_and_ask(run: Run, overlay: dict, env: dict, name: str,
+                  prompts: list[str]) -> dict | None:
+    """Start the group with ``env``, wait for the server (check ``<name>/server_healthy``),
+    send every (mode, batch) request set; the answers by "mode/batch", or None when the
+    server never came up."""
+    args, deadline = run.args, run.deadline
+    cluster = Cluster(run, overlay, env, name)
+    info = run.result.setdefault("servers", {}).setdefault(name, {})
     base = f"http://127.0.0.1:{env.get('PORT') or IMAGE_ENV['PORT']}"
     with open(os.path.join(args.log_dir, f"{name}-ray-stop.log"), "wb") as stop_log:
         try:
             info["start"] = cluster.start(deadline)
-            info["startup"] = cluster.wait_healthy(base, deadline)
-            if not info["startup"]["ok"]:
+            info["startup"] = {}
+            if not wait_healthy(run, cluster.leader, base, args.startup_timeout,
+                                cluster.logs["leader"], phase=name, into=info["startup"]):
                 return None
             info["ray_status"] = cluster.ray_status()
             models = http("GET", base + "/v1/models", timeout=10).json() or {}
@@ -260,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", required=True)
     args = p.parse_args(argv)
     os.makedirs(args.log_dir, exist_ok=True)
-    deadline = Deadline(args.time_budget)
+    run = Run(args=args, deadline=Deadline(args.time_budget))
     overlay = overlay_commands(args.overlay)
     tmp = tempfile.mkdtemp(prefix="serve-ray-")
     trace_dir = os.path.join(tmp, "rank-trace")
@@ -275,10 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     env.update(substitutions)
     env["PATH"] = shim_dir(tmp) + os.pathsep + env.get("PATH", "")
     env["VLLM_DDTREE_RANK_TRACE"] = trace_dir
-    from bench.serve_e2e import builtin_prompts
-
     prompts = builtin_prompts()[: args.num_prompts]
-    result: dict = dict(
+    run.result.update(
         command=shlex.join([sys.executable] + (sys.argv if argv is None else [__file__] + argv)),
         overlay=args.overlay, leader_script=overlay["leader"], worker_script=overlay["worker"],
         configmap=overlay["env"], substitutions=dict(
@@ -286,42 +271,30 @@ def main(argv: list[str] | None = None) -> int:
             LWS_LEADER_ADDRESS="127.0.0.1",
             gpus=f"{overlay['group_size']} Ray nodes x {args.gpus_per_node} GPU on one host"),
         dtype=args.dtype, max_tokens=args.max_tokens, batch_sizes=args.batch_sizes,
-        num_prompts=len(prompts), checks={}, failures=[])
+        num_prompts=len(prompts))
 
-    def check(name: str, ok: bool, **detail) -> None:
-        result["checks"][name] = dict(ok=bool(ok), **detail)
-        if not ok:
-            result["failures"].append(name)
-        print(f"[{'ok' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
-
-    def write() -> None:
-        result["passed"] = not result["failures"]
-        result["elapsed_s"] = round(time.monotonic() - deadline.start, 1)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-
-    procs = ProcessRegistry()
     with open(os.path.join(args.log_dir, "ray-stop-before.log"), "wb") as log:
         ray_stop(env, log)  # nothing of an earlier run left on the ports
     try:
-        ddtree = serve_and_ask(args, procs, overlay, env, "ddtree", prompts, deadline, result)
-        write()
-        check("ddtree_server_healthy", ddtree is not None)
+        ddtree = serve_and_ask(run, overlay, env, "ddtree", prompts)
+        run.write()
         if ddtree is None:
             return 1
         if os.path.isdir(trace_dir):
             from vllm_ddtree.rank_trace import compare_rank_traces
 
             trace = compare_rank_traces(trace_dir)
-            result["rank_trace"] = trace
-            check("ranks_verified_the_same_trees", trace["identical"] and len(trace["ranks"]) == args.tp,
-                  ranks=trace["ranks"], steps=trace["steps"], first_difference=trace["first_difference"])
+            run.result["rank_trace"] = trace
+            run.check("ddtree", "ranks_verified_the_same_trees",
+                      trace["identical"] and len(trace["ranks"]) == args.tp,
+                      ranks=trace["ranks"], steps=trace["steps"],
+                      first_difference=trace["first_difference"])
         else:
-            check("ranks_verified_the_same_trees", False, message=f"no rank traces in {trace_dir}")
+            run.check("ddtree", "ranks_verified_the_same_trees", False,
+                      message=f"no rank traces in {trace_dir}")
         plain_env = {k: v for k, v in env.items() if k not in DRAFTER_VARIABLES}
         plain_env.pop("VLLM_DDTREE_RANK_TRACE")
-        plain = serve_and_ask(args, procs, overlay, plain_env, "no-spec", prompts, deadline, result)
-        check("plain_server_healthy", plain is not None)
+        plain = serve_and_ask(run, overlay, plain_env, "no-spec", prompts)
         if plain is None:
             return 1
         cases = []
@@ -329,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             mode, batch = key.split("/")
             ref = plain[key]
             errors = [a.get("error") for a in answers + ref if a.get("error")]
-            diffs = [dict(request=a["index"], token=first_difference(a.get("token_ids"), b.get("token_ids")))
+            diffs = [dict(request=a["index"],
+                          token=first_difference(a.get("token_ids") or [], b.get("token_ids") or []))
                      for a, b in zip(answers, ref) if a.get("token_ids") != b.get("token_ids")]
             identical = sum(a.get("token_ids") == b.get("token_ids") and a.get("token_ids") is not None
                             for a, b in zip(answers, ref))
@@ -339,15 +313,16 @@ def main(argv: list[str] | None = None) -> int:
                         seeded=mode != "greedy", scenario="openai-server", identical=identical,
                         total=len(answers), errors=errors[:3], differences=diffs)
             cases.append(case)
-            check(f"identical_{mode}_batch_{batch}", identical == len(answers) and not errors,
-                  identical=identical, total=len(answers))
-        result["cases"] = cases
-        return 0 if not result["failures"] else 1
+            run.check("compare", f"identical_{mode}_batch_{batch}",
+                      identical == len(answers) and not errors,
+                      message=f"{identical}/{len(answers)} identical")
+        run.result["cases"] = cases
+        return 0 if not run.failures else 1
     finally:
-        procs.kill_all()
+        run.procs.kill_all()
         with open(os.path.join(args.log_dir, "ray-stop-after.log"), "wb") as log:
             ray_stop(env, log)
-        write()
+        run.write()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """bench/serve_ray.py: the multi-node overlay's own commands and variables are what runs."""
 
 import os
+from types import SimpleNamespace
 
-from bench.serve_ray import (
-    ENTRYPOINT, IMAGE_ENTRYPOINT, Cluster, first_difference, overlay_commands,
-)
+from bench.serve_ray import ENTRYPOINT, IMAGE_ENTRYPOINT, Cluster, overlay_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERLAY = os.path.join(ROOT, "deploy", "k8s", "overlays", "multi-node-ray")
@@ -26,14 +25,8 @@ def test_overlay_commands_are_the_manifests():
 
 def test_leader_runs_this_checkouts_entrypoint():
     overlay = overlay_commands(OVERLAY)
-    cluster = Cluster(None, None, overlay, {}, "ddtree")
+    run = SimpleNamespace(args=None, procs=None)
+    cluster = Cluster(run, overlay, {}, "ddtree")
     script = cluster.leader_script()
     assert IMAGE_ENTRYPOINT not in script and f"exec {ENTRYPOINT}" in script
     assert os.path.isfile(ENTRYPOINT)
-
-
-def test_first_difference():
-    assert first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert first_difference([1, 2], [1, 2, 3]) == 2
-    assert first_difference(None, [1]) == 0

@@ -28,7 +28,6 @@ def test_verifier_writes_one_line_a_step(tmp_path):
                      device="cpu", fused_kernels=False, rank_trace=RankTrace(str(tmp_path)))
     # A step without drafts: one token per request (prepare returns early).
     v.prepare(SimpleNamespace(num_reqs=3, num_tokens=3, num_draft_tokens=0), next_budget=0)
-    v.step.verified_rows = None
     v.prepare(SimpleNamespace(num_reqs=2, num_tokens=2, num_draft_tokens=0), next_budget=8)
     assert (tmp_path / "rank-0.txt").read_text() == "3 3 0 0\n2 2 0 8\n"
 
