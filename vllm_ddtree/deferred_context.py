@@ -42,9 +42,43 @@ class DeferredContext:
         self.req_ids: tuple | None = None          # the requests the entries belong to
         self.flushes = 0
         self.flushed_tokens = 0
+        # A budget-0 step is the one a user pays on every step while drafting is off,
+        # and at batch 1 of a small target the host is its critical path: a slice costs
+        # about as much host time as the copy it feeds. The views an append reads are
+        # those of the last append while the step's tensors are views of the same
+        # buffers (the runner's persistent inputs and the target graphs' outputs), and
+        # the views it writes are one per (offset, tokens); both are kept.
+        self._sources: tuple | None = None
+        self._targets: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.capacity
+
+    def _source_views(self, n: int, aux_hidden_states: Sequence[torch.Tensor],
+                      positions: torch.Tensor, slot_rows: Sequence[torch.Tensor]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The first ``n`` rows of each input: the last append's views when every input
+        starts where it did then (the same memory: the cache keeps those tensors alive,
+        so no other tensor can start there)."""
+        key = [n, positions.data_ptr(), *[h.data_ptr() for h in aux_hidden_states],
+               *[r.data_ptr() for r in slot_rows]]
+        cached = self._sources
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        states = [h[:n] for h in aux_hidden_states]
+        index = [positions[:n], *(row[:n] for row in slot_rows)]
+        # The inputs themselves are kept too, so that their memory stays theirs.
+        self._sources = (key, states, index, (aux_hidden_states, positions, slot_rows))
+        return states, index
+
+    def _target_views(self, c: int, n: int, index: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._targets.get((c, n))
+        if views is None:
+            if len(self._targets) >= 4 * self.capacity:
+                self._targets.clear()
+            views = self._targets[(c, n)] = (self.states[c:c + n], index[c:c + n])
+        return views
 
     def append(self, req_ids: Sequence, aux_hidden_states: Sequence[torch.Tensor],
                positions: torch.Tensor, slot_rows: Sequence[torch.Tensor],
@@ -68,9 +102,11 @@ class DeferredContext:
                 raise AssertionError("the drafter's slot rows changed with entries pending")
             index = self.index = torch.zeros(self.capacity, 1 + len(slot_rows),
                                              dtype=torch.int64, device=self.device)
-        torch.cat([h[:n] for h in aux_hidden_states], dim=-1, out=self.states[c:c + n])
-        torch.stack([positions[:n], *(row[:n] for row in slot_rows)], dim=1,
-                    out=index[c:c + n])
+            self._targets.clear()
+        states_in, index_in = self._source_views(n, aux_hidden_states, positions, slot_rows)
+        states_out, index_out = self._target_views(c, n, index)
+        torch.cat(states_in, dim=-1, out=states_out)
+        torch.stack(index_in, dim=1, out=index_out)
         self.count = c + n
 
     def flush(self, store: Callable) -> int:

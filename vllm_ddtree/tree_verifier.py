@@ -115,7 +115,11 @@ class TreeVerifier:
         # clears only those, so a run of budget-0 steps launches the reset once, not
         # every step (its indexed assignment took ~60 us of host time a step,
         # bench/results/2026-12-02-gap-profile-budget-0-t1-batch-4/).
-        self._may_hold_tree = np.ones(max_num_reqs, dtype=bool)
+        # None does yet: ``valid_by_state`` starts all False.
+        self._may_hold_tree = np.zeros(max_num_reqs, dtype=bool)
+        # Whether any state may: while drafting is off none does once their trees are
+        # reset, and a budget-0 step then skips even the lookup above (host time).
+        self._any_tree = False
         # Per-request ancestor-only bias read by the patched attention backends.
         self.tree_attn_bias = allocate_tree_attn_bias(max_num_reqs, self.num_tree_nodes, device)
         # Linear positions of the verified rows (one per logit), restored after the walk.
@@ -165,6 +169,7 @@ class TreeVerifier:
             self._may_hold_tree[:] = True
         else:
             self._may_hold_tree[idx_mapping_np] = True
+        self._any_tree = True
         by_state = (self.tokens_by_state, self.parents_by_state, self.depths_by_state,
                     self.valid_by_state)
         if self.fused_kernels:
@@ -177,9 +182,10 @@ class TreeVerifier:
         """Make the trees of these states root-only; with ``idx_mapping_np`` (the same
         states on the host) nothing is launched when none of them may hold a tree."""
         if idx_mapping_np is not None:
-            if not self._may_hold_tree[idx_mapping_np].any():
+            if not self._any_tree or not self._may_hold_tree[idx_mapping_np].any():
                 return
             self._may_hold_tree[idx_mapping_np] = False
+            self._any_tree = bool(self._may_hold_tree.any())
         clear_trees_(self.valid_by_state, idx_mapping, self._no_tree)
 
     # ------------------------------------------------------------------ the step

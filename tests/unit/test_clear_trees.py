@@ -75,8 +75,18 @@ def test_verifier_clears_only_states_that_may_hold_a_tree():
                      device="cpu", fused_kernels=False)
     idx = torch.tensor([4, 1], dtype=torch.int32)
     idx_np = np.array([4, 1], dtype=np.int32)
-    v.valid_by_state.fill_(True)
-    v.clear_trees(idx, idx_np)  # every state may hold a tree at start
+    n = v.num_tree_nodes
+    # No state holds a tree at start: a budget-0 step launches nothing.
+    v.valid_by_state[4, 2] = True  # planted behind the verifier's back
+    v.clear_trees(idx, idx_np)
+    assert bool(v.valid_by_state[4, 2])
+    # Trees stored without host indices (a dummy run): any state may hold one.
+    full = SimpleNamespace(node_tokens=torch.zeros(6, n, dtype=torch.int64),
+                           node_parents=torch.zeros(6, n, dtype=torch.int32),
+                           node_depths=torch.zeros(6, n, dtype=torch.int32),
+                           node_valid=torch.ones(6, n, dtype=torch.bool))
+    v.store_trees(full, torch.arange(6, dtype=torch.int32))
+    v.clear_trees(idx, idx_np)
     assert not v.valid_by_state[[1, 4], 1:].any() and v.valid_by_state[0, 1:].all()
     # Nothing stored since: the next budget-0 step launches nothing (a value planted
     # behind the verifier's back stays).
@@ -84,7 +94,6 @@ def test_verifier_clears_only_states_that_may_hold_a_tree():
     v.clear_trees(idx, idx_np)
     assert bool(v.valid_by_state[4, 2])
     # A full tree stored for state 4 (as propose() does): the next clear resets it.
-    n = v.num_tree_nodes
     trees = SimpleNamespace(node_tokens=torch.zeros(1, n, dtype=torch.int64),
                             node_parents=torch.zeros(1, n, dtype=torch.int32),
                             node_depths=torch.zeros(1, n, dtype=torch.int32),
@@ -97,3 +106,36 @@ def test_verifier_clears_only_states_that_may_hold_a_tree():
     v.valid_by_state[1, 3] = True
     v.clear_trees(idx)
     assert not v.valid_by_state[1, 1:].any()
+
+
+def test_verifier_skips_the_lookup_only_when_no_state_may_hold_a_tree():
+    """Once every state that stored a tree was reset, a budget-0 step returns before
+    looking its states up; while another state still holds one, that state's own
+    reset is not skipped."""
+    import numpy as np
+
+    from vllm_ddtree.tree_verifier import TreeVerifier
+
+    v = TreeVerifier(max_num_reqs=6, tree_budget=4, tree_depth=3, max_num_tokens=32,
+                     device="cpu", fused_kernels=False)
+    n = v.num_tree_nodes
+    assert not v._any_tree
+
+    def tree_for(states):
+        k = len(states)
+        v.store_trees(SimpleNamespace(node_tokens=torch.zeros(k, n, dtype=torch.int64),
+                                      node_parents=torch.zeros(k, n, dtype=torch.int32),
+                                      node_depths=torch.zeros(k, n, dtype=torch.int32),
+                                      node_valid=torch.ones(k, n, dtype=torch.bool)),
+                      torch.tensor(states, dtype=torch.int32), np.array(states, dtype=np.int32))
+
+    tree_for([2, 5])
+    assert v._any_tree
+    v.clear_trees(torch.tensor([2], dtype=torch.int32), np.array([2], dtype=np.int32))
+    assert v._any_tree and not v.valid_by_state[2, 1:].any() and v.valid_by_state[5].all()
+    v.clear_trees(torch.tensor([5], dtype=torch.int32), np.array([5], dtype=np.int32))
+    assert not v._any_tree and not v.valid_by_state[:, 1:].any()
+    # Nothing held anywhere: a reset of any states launches nothing.
+    v.valid_by_state[3, 1] = True  # planted behind the verifier's back
+    v.clear_trees(torch.tensor([3], dtype=torch.int32), np.array([3], dtype=np.int32))
+    assert bool(v.valid_by_state[3, 1])

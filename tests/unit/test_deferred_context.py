@@ -84,3 +84,39 @@ def test_a_step_larger_than_the_buffer_is_refused_and_empty_flushes_do_nothing()
     assert buf.flush(cache.store) == 0 and cache.calls == []
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         DeferredContext(0, 6, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.filterwarnings("error")
+def test_views_of_persistent_buffers_rewritten_every_step_are_read_anew():
+    """The runner hands each step views of the same buffers (its inputs, the target
+    graph's outputs), rewritten in place: the appends reuse their views, and what they
+    store is each step's contents, as a store every step writes them; a step of another
+    size, or from other buffers, reads its own."""
+    width = 3
+    aux_bufs = [torch.zeros(8, width), torch.zeros(8, width)]
+    other_bufs = [torch.zeros(8, width), torch.zeros(8, width)]
+    pos_buf = torch.zeros(8, dtype=torch.int64)
+    slot_buf = torch.zeros(2, 8, dtype=torch.int64)
+    # (requests, positions, slots, buffers): two requests for three steps, one step
+    # from other buffers (an eager step), one from the first again, then a step of one
+    # request (the buffers' second rows still hold the last step's).
+    plan = [(["a", "b"], [10 + i, 20 + i], [i, 8 + i], aux_bufs) for i in range(3)]
+    plan.append((["a", "b"], [13, 23], [3, 11], other_bufs))
+    plan.append((["a", "b"], [14, 24], [4, 12], aux_bufs))
+    plan.append((["a"], [15], [5], aux_bufs))
+    every, later = FakeCache(), FakeCache()
+    buf = DeferredContext(64, 2 * width, torch.float32, torch.device("cpu"))
+    for i, (req_ids, positions, slots, bufs) in enumerate(plan):
+        n = len(req_ids)
+        for b, values in zip(bufs, _step(n, width, seed=i)):
+            b[:n] = values
+        pos_buf[:n] = torch.tensor(positions)
+        slot_buf[0, :n] = torch.tensor(slots)
+        slot_buf[1, :n] = torch.tensor(slots) + 32
+        rows = [slot_buf[0], slot_buf[1]]
+        aux = [b[:n] for b in bufs]
+        every.store(torch.cat(aux, dim=-1), pos_buf[:n].clone(), [r[:n].clone() for r in rows])
+        buf.append(req_ids, aux, pos_buf[:n], rows, later.store)
+    buf.flush(later.store)
+    assert torch.equal(every.kv, later.kv)
+    assert later.calls == [10, 1]

@@ -339,7 +339,13 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.draft_tokens = torch.zeros(4, 8, dtype=torch.int64)
     # The verifier (real, on the CPU): every state starts with a full tree.
     spec.verifier = TreeVerifier(6, 8, 8, 32, "cpu", False)
-    spec.verifier.valid_by_state.fill_(True)
+    n = spec.verifier.num_tree_nodes
+    spec.verifier.store_trees(
+        types.SimpleNamespace(node_tokens=torch.zeros(6, n, dtype=torch.int64),
+                              node_parents=torch.zeros(6, n, dtype=torch.int32),
+                              node_depths=torch.zeros(6, n, dtype=torch.int32),
+                              node_valid=torch.ones(6, n, dtype=torch.bool)),
+        torch.arange(6, dtype=torch.int32))
     spec.valid_by_state = spec.verifier.valid_by_state
     spec.trees = None
     spec.draft_kv_cache_group_ids = [0]
