@@ -74,24 +74,30 @@ def time_observe(batch: int, budget: int, steps: int, seed: int = 0) -> dict:
             "us_mean": round(statistics.fmean(per_call), 2)}
 
 
-def controller_at(rev: str):
-    """``BudgetController`` as git revision ``rev`` had it (its module loaded from
-    ``git show``, under a name of its own)."""
+def module_at(rev: str, relpath: str, name: str):
+    """The module ``relpath`` (e.g. ``vllm_ddtree/budget_controller.py``) as git
+    revision ``rev`` had it, loaded from ``git show`` under the module name ``name``."""
     import importlib.util
     import subprocess
     import tempfile
 
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:vllm_ddtree/budget_controller.py"],
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{relpath}"],
                             check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "budget_controller_baseline.py")
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
     with open(path, "w") as f:
         f.write(source)
-    name = "budget_controller_baseline"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.BudgetController
+    return module
+
+
+def controller_at(rev: str):
+    """``BudgetController`` as git revision ``rev`` had it (its module loaded from
+    ``git show``, under a name of its own)."""
+    return module_at(rev, "vllm_ddtree/budget_controller.py",
+                     "budget_controller_baseline").BudgetController
 
 
 def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds: int) -> list[dict]:

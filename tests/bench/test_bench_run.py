@@ -1285,6 +1285,39 @@ def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
     assert online_budget.BudgetController is budget_controller.BudgetController
 
 
+def test_budget0_host_times_this_tree_against_a_baseline_in_turns(tmp_path):
+    """``bench/budget0_host.py --baseline REV`` loads REV's deferral buffer and verifier
+    from git and times a budget-0 step's host work of both on the runner's kind of
+    inputs; every step's context reaches the store (the timing checks it)."""
+    import subprocess
+
+    from bench import budget0_host as H
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "budget0.json"
+    assert H.main(["--out", str(out), "--steps", "30", "--batch-sizes", "1", "16",
+                   "--baseline", "HEAD", "--rounds", "2"]) == 0
+    doc = json.loads(out.read_text())
+    assert "against HEAD" in doc["what"]
+    assert [r["batch"] for r in doc["rows"]] == [1, 16]
+    for r in doc["rows"]:
+        assert len(r["us_per_step_tree"]) == len(r["us_per_step_baseline"]) == 2
+        assert r["tree_over_baseline_paired_median"] > 0
+    # A buffer that loses entries is caught.
+    from vllm_ddtree.deferred_context import DeferredContext
+    from vllm_ddtree.tree_verifier import TreeVerifier
+
+    class Lossy(DeferredContext):
+        def flush(self, store):
+            self.count = 0
+            return 0
+
+    with pytest.raises(AssertionError, match="stored 0 context entries"):
+        H.time_budget0_steps(Lossy, TreeVerifier, 2, 10)
+
+
 def test_profile_kernel_comparison_names_what_the_other_step_adds():
     """bench/profile_step.py --compare-kernels: kernel by kernel, what one profile's step
     costs beyond another's, largest difference first, kernels of one side marked."""

@@ -1,0 +1,155 @@
+"""Host time of what DDTree adds to a budget-0 decode step (CPU only).
+
+A step that verifies no drafts and drafts none (the online controller's budget 0) is
+what a user pays on every step while drafting does not pay. Beyond plain decoding's
+step it runs two things of ours on the host: the drafter's context into the deferral
+buffer (``DeferredContext.append``) and the reset of trees left by the last drafting
+step (``TreeVerifier.clear_trees``). At batch 1 of a small target the host sets the
+step's pace, so their host time is the step's. This times both on the inputs the runner
+hands them: each step new views of the same persistent buffers (the runner's positions
+and slot mappings, the target graph's auxiliary outputs), ``batch`` requests of one
+token, a buffer of ``max(256, 4 * max_num_seqs)`` tokens flushed when full (the flush is
+timed too, spread over the steps), and the tree reset after one drafting step.
+
+    python3 bench/budget0_host.py --out bench/results/<dir>/budget0-host.json
+
+``--baseline REV`` also times the two modules (``vllm_ddtree/deferred_context.py``,
+``vllm_ddtree/tree_verifier.py``) of git revision REV, the two taken in turns for
+``--rounds`` rounds, and reports each cell's median of the paired ratios this tree /
+REV. On a CPU the copies themselves run on the host (tiny here); on a GPU host each
+is a kernel launch instead, so the figures are the Python and dispatch share, not a
+GPU host's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.online_budget_host import module_at, write_result  # noqa: E402
+
+# The benchmark pair's drafter: three auxiliary states of the target's width 576.
+AUX_LAYERS, HIDDEN = 3, 576
+MAX_NUM_SEQS = 256
+
+
+def modules(rev: str | None):
+    """(DeferredContext, TreeVerifier) of this tree, or of git revision ``rev``."""
+    if rev is None:
+        from vllm_ddtree.deferred_context import DeferredContext
+        from vllm_ddtree.tree_verifier import TreeVerifier
+        return DeferredContext, TreeVerifier
+    tag = rev.replace("-", "_").replace("/", "_")
+    return (module_at(rev, "vllm_ddtree/deferred_context.py", f"deferred_context_{tag}").DeferredContext,
+            module_at(rev, "vllm_ddtree/tree_verifier.py", f"tree_verifier_{tag}").TreeVerifier)
+
+
+def time_budget0_steps(deferred_cls, verifier_cls, batch: int, steps: int) -> dict:
+    """Microseconds a step of ``append`` + ``clear_trees`` over ``steps`` budget-0
+    steps of ``batch`` requests, after one drafting step stored their trees."""
+    max_tokens = 1024
+    aux_out = [torch.zeros(max_tokens, HIDDEN, dtype=torch.bfloat16) for _ in range(AUX_LAYERS)]
+    positions_buf = torch.zeros(max_tokens, dtype=torch.int64)
+    slot_mappings = torch.zeros(1, max_tokens, dtype=torch.int64)
+    slot_rows = (slot_mappings[0],)
+    deferred = deferred_cls(max(256, 4 * MAX_NUM_SEQS), AUX_LAYERS * HIDDEN, torch.bfloat16,
+                            torch.device("cpu"))
+    verifier = verifier_cls(MAX_NUM_SEQS, 64, 15, max_tokens, "cpu", False)
+    req_ids = [f"req-{i}" for i in range(batch)]
+    idx = torch.arange(batch, dtype=torch.int32)
+    idx_np = np.arange(batch, dtype=np.int32)
+    n = verifier.num_tree_nodes
+    verifier.store_trees(SimpleNamespace(
+        node_tokens=torch.zeros(batch, n, dtype=torch.int64),
+        node_parents=torch.zeros(batch, n, dtype=torch.int32),
+        node_depths=torch.zeros(batch, n, dtype=torch.int32),
+        node_valid=torch.ones(batch, n, dtype=torch.bool)), idx, idx_np)
+    stored = [0]
+
+    def store(states, positions, slots):
+        stored[0] += states.shape[0]
+
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        # What the runner hands a step: new views of its persistent buffers.
+        aux = [x[:batch] for x in aux_out]
+        positions = positions_buf[:batch]
+        deferred.append(req_ids, aux, positions, slot_rows, store)
+        verifier.clear_trees(idx, idx_np)
+    deferred.flush(store)
+    elapsed = time.perf_counter() - t0
+    # The views above are the runner's, made every step in either tree: their cost is
+    # timed alone and taken off, so that the figure is ours.
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        aux = [x[:batch] for x in aux_out]
+        positions = positions_buf[:batch]
+    views = time.perf_counter() - t1
+    if stored[0] != steps * batch:
+        raise AssertionError(f"stored {stored[0]} context entries, expected {steps * batch}")
+    return {"batch": batch, "steps": steps,
+            "us_per_step": round((elapsed - views) / steps * 1e6, 2)}
+
+
+def compare(baseline: str, batches: list[int], steps: int, rounds: int) -> list[dict]:
+    impls = {"tree": modules(None), "baseline": modules(baseline)}
+    for impl in impls.values():  # first calls (allocations, dispatch caches) untimed
+        time_budget0_steps(*impl, batches[0], min(steps, 200))
+    means: dict = {b: {"tree": [], "baseline": []} for b in batches}
+    for r in range(rounds):
+        for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
+            for b in batches:
+                means[b][name].append(time_budget0_steps(*impls[name], b, steps)["us_per_step"])
+    rows = []
+    for b, m in means.items():
+        ratios = [t / base for t, base in zip(m["tree"], m["baseline"])]
+        rows.append({"batch": b, "baseline": baseline,
+                     "us_per_step_tree": m["tree"], "us_per_step_baseline": m["baseline"],
+                     "us_per_step_tree_median": round(statistics.median(m["tree"]), 2),
+                     "us_per_step_baseline_median": round(statistics.median(m["baseline"]), 2),
+                     "tree_over_baseline_paired_median": round(statistics.median(ratios), 3),
+                     "tree_over_baseline_paired": [round(x, 3) for x in ratios]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--baseline", help="git revision whose two modules to time against, in turns")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of turns with --baseline")
+    args = ap.parse_args(argv)
+    if args.baseline:
+        rows = compare(args.baseline, args.batch_sizes, args.steps, args.rounds)
+    else:
+        impl = modules(None)
+        time_budget0_steps(*impl, args.batch_sizes[0], min(args.steps, 200))
+        rows = [time_budget0_steps(*impl, b, args.steps) for b in args.batch_sizes]
+    doc = {"command": "python3 bench/budget0_host.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "host": {"machine": platform.machine(), "processor": platform.processor(),
+                    "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__},
+           "what": "host microseconds per budget-0 step of DeferredContext.append + "
+                   "TreeVerifier.clear_trees (CPU tensors)"
+                   + (f", this tree's modules against {args.baseline}'s in turns"
+                      if args.baseline else ""),
+           "rows": rows}
+    write_result(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
