@@ -37,7 +37,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.online_budget_host import module_at, write_result  # noqa: E402
+from bench.online_budget_host import module_at, paired_ratios, write_result  # noqa: E402
 
 # The benchmark pair's drafter: three auxiliary states of the target's width 576.
 AUX_LAYERS, HIDDEN = 3, 576
@@ -111,16 +111,12 @@ def compare(baseline: str, batches: list[int], steps: int, rounds: int) -> list[
         for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
             for b in batches:
                 means[b][name].append(time_budget0_steps(*impls[name], b, steps)["us_per_step"])
-    rows = []
-    for b, m in means.items():
-        ratios = [t / base for t, base in zip(m["tree"], m["baseline"])]
-        rows.append({"batch": b, "baseline": baseline,
-                     "us_per_step_tree": m["tree"], "us_per_step_baseline": m["baseline"],
-                     "us_per_step_tree_median": round(statistics.median(m["tree"]), 2),
-                     "us_per_step_baseline_median": round(statistics.median(m["baseline"]), 2),
-                     "tree_over_baseline_paired_median": round(statistics.median(ratios), 3),
-                     "tree_over_baseline_paired": [round(x, 3) for x in ratios]})
-    return rows
+    return [{"batch": b, "baseline": baseline,
+             "us_per_step_tree": m["tree"], "us_per_step_baseline": m["baseline"],
+             "us_per_step_tree_median": round(statistics.median(m["tree"]), 2),
+             "us_per_step_baseline_median": round(statistics.median(m["baseline"]), 2),
+             **paired_ratios(m["tree"], m["baseline"])}
+            for b, m in means.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

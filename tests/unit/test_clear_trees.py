@@ -63,6 +63,14 @@ def test_the_sync_check_catches_a_host_scalar():
         valid[idx, 1:] = False
 
 
+def _full_trees(k: int, n: int) -> SimpleNamespace:
+    """``k`` trees of ``n`` nodes, every node valid (what store_trees takes)."""
+    return SimpleNamespace(node_tokens=torch.zeros(k, n, dtype=torch.int64),
+                           node_parents=torch.zeros(k, n, dtype=torch.int32),
+                           node_depths=torch.zeros(k, n, dtype=torch.int32),
+                           node_valid=torch.ones(k, n, dtype=torch.bool))
+
+
 def test_verifier_clears_only_states_that_may_hold_a_tree():
     """TreeVerifier.clear_trees with the host's state indices launches the reset once
     for a run of budget-0 steps: a state cleared since its last stored tree is skipped,
@@ -81,11 +89,7 @@ def test_verifier_clears_only_states_that_may_hold_a_tree():
     v.clear_trees(idx, idx_np)
     assert bool(v.valid_by_state[4, 2])
     # Trees stored without host indices (a dummy run): any state may hold one.
-    full = SimpleNamespace(node_tokens=torch.zeros(6, n, dtype=torch.int64),
-                           node_parents=torch.zeros(6, n, dtype=torch.int32),
-                           node_depths=torch.zeros(6, n, dtype=torch.int32),
-                           node_valid=torch.ones(6, n, dtype=torch.bool))
-    v.store_trees(full, torch.arange(6, dtype=torch.int32))
+    v.store_trees(_full_trees(6, n), torch.arange(6, dtype=torch.int32))
     v.clear_trees(idx, idx_np)
     assert not v.valid_by_state[[1, 4], 1:].any() and v.valid_by_state[0, 1:].all()
     # Nothing stored since: the next budget-0 step launches nothing (a value planted
@@ -94,11 +98,7 @@ def test_verifier_clears_only_states_that_may_hold_a_tree():
     v.clear_trees(idx, idx_np)
     assert bool(v.valid_by_state[4, 2])
     # A full tree stored for state 4 (as propose() does): the next clear resets it.
-    trees = SimpleNamespace(node_tokens=torch.zeros(1, n, dtype=torch.int64),
-                            node_parents=torch.zeros(1, n, dtype=torch.int32),
-                            node_depths=torch.zeros(1, n, dtype=torch.int32),
-                            node_valid=torch.ones(1, n, dtype=torch.bool))
-    v.store_trees(trees, idx[:1], idx_np[:1])
+    v.store_trees(_full_trees(1, n), idx[:1], idx_np[:1])
     assert v.valid_by_state[4].all()
     v.clear_trees(idx, idx_np)
     assert not v.valid_by_state[4, 1:].any()
@@ -122,12 +122,8 @@ def test_verifier_skips_the_lookup_only_when_no_state_may_hold_a_tree():
     assert not v._any_tree
 
     def tree_for(states):
-        k = len(states)
-        v.store_trees(SimpleNamespace(node_tokens=torch.zeros(k, n, dtype=torch.int64),
-                                      node_parents=torch.zeros(k, n, dtype=torch.int32),
-                                      node_depths=torch.zeros(k, n, dtype=torch.int32),
-                                      node_valid=torch.ones(k, n, dtype=torch.bool)),
-                      torch.tensor(states, dtype=torch.int32), np.array(states, dtype=np.int32))
+        v.store_trees(_full_trees(len(states), n), torch.tensor(states, dtype=torch.int32),
+                      np.array(states, dtype=np.int32))
 
     tree_for([2, 5])
     assert v._any_tree
