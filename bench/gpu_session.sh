@@ -496,7 +496,8 @@ case "$step" in
     echo "drafter-data rc=$?"; tail -3 "$OUT/drafter-data.log" | cut -c1-600
     ;;
   drafter-train)
-    # One training run on DRAFTER_SEQUENCES (a carried drafter-data output directory), resuming
+    # One training run on DRAFTER_SEQUENCES (carried drafter-data output directories,
+    # separated by spaces: the trainer reads them all), resuming
     # from DRAFTER_RESUME (a carried checkpoint) when set, or starting a new schedule from
     # DRAFTER_INIT_FROM's weights (a finished checkpoint); the checkpoint comes back in
     # $OUT/drafter-checkpoint (python3 -m bench.fixture.export_drafter makes the vLLM
@@ -506,10 +507,12 @@ case "$step" in
     # --eval-tree-budgets 8 16 32 64 128 also simulates DDTree's trees after training,
     # outside the deadline's --eval-reserve-s).
     prepare
+    read -r -a seqdirs <<< "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the carried training sequences}"
+    seqargs=()
+    for d in "${seqdirs[@]}"; do seqargs+=(--sequences "$d"); done
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
-      --out /opt/drafter-run --checkpoint "$OUT/drafter-checkpoint" \
-      --sequences "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the carried training sequences}" \
+      --out /opt/drafter-run --checkpoint "$OUT/drafter-checkpoint" "${seqargs[@]}" \
       ${DRAFTER_RESUME:+--resume "$DRAFTER_RESUME"} \
       ${DRAFTER_INIT_FROM:+--init-from "$DRAFTER_INIT_FROM"} --deadline-s "${DRAFTER_DEADLINE_S:-530}" \
       --eval-sequences "${DRAFTER_EVAL_SEQUENCES:-$OUT/drafter-eval-responses.json.gz}" \
