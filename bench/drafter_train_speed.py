@@ -89,6 +89,9 @@ def run_variant(name: str, dc, train: Packed, embed, lm_head, args, device,
     """Train a fresh drafter (seeded weights) with variant ``name`` over the seeded
     batches; returns its record and the first batch's gradient."""
     attention, compile_ = parse_variant(name)
+    # As the trainer draws them: a fixed width for a compiled step or FlexAttention,
+    # the batch's own otherwise; with --fixed-width every variant the fixed one.
+    fixed_width = args.fixed_width or compile_ or attention == "flex"
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(dc)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(args.seed))
@@ -118,7 +121,8 @@ def run_variant(name: str, dc, train: Packed, embed, lm_head, args, device,
     prof = None
     for s in range(total + (5 if profile else 0)):
         rows = perm[s * args.batch:(s + 1) * args.batch] if s < total else perm[:args.batch]
-        batch = training_batch(train, rows, args.anchors, agen, dc.block_size)
+        batch = training_batch(train, rows, args.anchors, agen, dc.block_size,
+                               fixed_width=fixed_width)
         if s == total and profile:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
@@ -180,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
+    ap.add_argument("--fixed-width", action="store_true",
+                    help="every variant's batches at the fixed width (default: the dense "
+                         "eager variant's as wide as each batch, as the trainer draws them)")
     ap.add_argument("--profile", default=None, metavar="VARIANT",
                     help="also profile this variant's CUDA time by operator")
     ap.add_argument("--device", default="cuda",
