@@ -498,8 +498,11 @@ case "$step" in
     kept="$STATE/drafter-sequences/${DRAFTER_DATA_NAME:-data}"
     rm -rf "$kept"
     # shellcheck disable=SC2086  # a list of options
+    # It stops at its deadline (DRAFTER_DATA_DEADLINE_S, before the call's limit) and
+    # keeps the answers finished by then.
     timeout 540 python3 -m bench.fixture.generate_drafter_data --target "$TARGET" --data "$DATA" \
-      --out "$kept" ${DRAFTER_DATA_ARGS:-} > "$OUT/drafter-data.log" 2>&1
+      --out "$kept" --deadline-s "${DRAFTER_DATA_DEADLINE_S:-460}" ${DRAFTER_DATA_ARGS:-} \
+      > "$OUT/drafter-data.log" 2>&1
     echo "drafter-data rc=$? (kept in $kept)"; tail -3 "$OUT/drafter-data.log" | cut -c1-600
     [ -d "$kept" ] && cp -r "$kept" "$OUT/drafter-sequences"
     ;;
