@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n-sequences", type=int, default=3000,
                     help="the first N sequences (their features are computed once)")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=None,
+                    help="the drafter's MLP width (default: the target's)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.time()
     tgt = Target(a.target, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    dc = drafter_config(tgt.cfg, a.layers)
+    dc = drafter_config(tgt.cfg, a.layers, a.intermediate)
     seqs = [x for p in a.sequences for x in read_sequences(p, a.max_prompt_tokens)]
     seqs = [x for x in seqs if len(x[0]) - x[1] >= 2][:a.n_sequences]
     feats = tgt.features([s for s, _ in seqs], list(dc.target_layer_ids), 64)
@@ -217,7 +219,8 @@ def main(argv=None) -> int:
     result = {"device": (torch.cuda.get_device_name(device) if device.type == "cuda"
                          else f"cpu ({os.cpu_count()} cores)"), "torch": torch.__version__,
               "settings": {k: v for k, v in vars(a).items() if k != "out"},
-              "drafter_layers": dc.num_hidden_layers, "sequences": train.n,
+              "drafter_layers": dc.num_hidden_layers,
+              "drafter_intermediate": dc.intermediate_size, "sequences": train.n,
               "width": train.width, "prepare_s": round(time.time() - t0, 1), "variants": []}
     reference = None
     for name in a.variants:
