@@ -38,8 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fixture.dflash_drafter import DFlashDrafter, loss_weights  # noqa: E402
-from bench.fixture.train_dflash_drafter import (Packed, Target, drafter_config,  # noqa: E402
-                                               make_loss_fn, read_sequences,
+from bench.fixture.train_dflash_drafter import (Packed, Target,  # noqa: E402
+                                               autocast_for, drafter_config,
+                                               make_loss_fn, make_optimizer,
+                                               needs_fixed_width, read_sequences, sync,
                                                training_batch)
 
 VARIANTS = ("dense", "flex", "dense+compile", "flex+compile")
@@ -74,11 +76,6 @@ class Timer:
         return (end.t - self.t) * 1e3
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def grad_vector(drafter) -> torch.Tensor:
     return torch.cat([p.grad.float().flatten() for p in drafter.parameters()
                       if p.grad is not None])
@@ -91,21 +88,15 @@ def run_variant(name: str, dc, train: Packed, embed, lm_head, args, device,
     attention, compile_ = parse_variant(name)
     # As the trainer draws them: a fixed width for a compiled step or FlexAttention,
     # the batch's own otherwise; with --fixed-width every variant the fixed one.
-    fixed_width = args.fixed_width or compile_ or attention == "flex"
+    fixed_width = args.fixed_width or needs_fixed_width(attention, compile_)
     torch.manual_seed(args.seed)
     drafter = DFlashDrafter(dc)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(args.seed))
     drafter.to(device).train()
     cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0, fused=cuda or None)
-
-    def autocast():
-        return (torch.autocast("cuda", dtype=torch.bfloat16) if cuda
-                else torch.autocast("cpu", enabled=False))
-
-    loss_fn = make_loss_fn(drafter, embed, lm_head, loss_weights(dc.block_size), autocast,
-                           attention, compile_)
+    opt = make_optimizer(drafter, args.lr, device)
+    loss_fn = make_loss_fn(drafter, embed, lm_head, loss_weights(dc.block_size),
+                           autocast_for(device), attention, compile_)
     agen = torch.Generator(device=device).manual_seed(args.seed + 1)
     perm = torch.randperm(train.n, generator=torch.Generator().manual_seed(args.seed + 2))
     perm = perm.to(device)
