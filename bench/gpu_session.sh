@@ -168,6 +168,15 @@ fixture_bench() {
   echo "$name bench rc=$?"; grep '^{\|skip\|failed\|cost model' "$OUT/bench-$name.log" | cut -c1-300
 }
 
+# sequence_args: one --sequences per directory of DRAFTER_SEQUENCES (separated by
+# spaces) into the array seqargs.
+sequence_args() {
+  local dirs d
+  read -r -a dirs <<< "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the training sequences}"
+  seqargs=()
+  for d in "${dirs[@]}"; do seqargs+=(--sequences "$d"); done
+}
+
 # The device tool returns at most 8 files per call: leave the JSON results loose and
 # put everything else (logs, plots, server logs) into one tarball.
 pack_out() {
@@ -497,9 +506,9 @@ case "$step" in
     prepare
     kept="$STATE/drafter-sequences/${DRAFTER_DATA_NAME:-data}"
     rm -rf "$kept"
-    # shellcheck disable=SC2086  # a list of options
     # It stops at its deadline (DRAFTER_DATA_DEADLINE_S, before the call's limit) and
     # keeps the answers finished by then.
+    # shellcheck disable=SC2086  # a list of options
     timeout 540 python3 -m bench.fixture.generate_drafter_data --target "$TARGET" --data "$DATA" \
       --out "$kept" --deadline-s "${DRAFTER_DATA_DEADLINE_S:-460}" ${DRAFTER_DATA_ARGS:-} \
       > "$OUT/drafter-data.log" 2>&1
@@ -512,9 +521,7 @@ case "$step" in
     # DRAFTER_SEQUENCES (bench/drafter_train_speed.py) -> $OUT/drafter-train-speed.json;
     # DRAFTER_SPEED_ARGS: its options (--layers, --variants, --profile VARIANT, ...).
     prepare
-    read -r -a seqdirs <<< "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the training sequences}"
-    seqargs=()
-    for d in "${seqdirs[@]}"; do seqargs+=(--sequences "$d"); done
+    sequence_args
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 bench/drafter_train_speed.py --target "$TARGET" "${seqargs[@]}" \
       --out "$OUT/drafter-train-speed.json" ${DRAFTER_SPEED_ARGS:-} \
@@ -533,9 +540,7 @@ case "$step" in
     # --eval-tree-budgets 8 16 32 64 128 also simulates DDTree's trees after training,
     # outside the deadline's --eval-reserve-s).
     prepare
-    read -r -a seqdirs <<< "${DRAFTER_SEQUENCES:?DRAFTER_SEQUENCES: the carried training sequences}"
-    seqargs=()
-    for d in "${seqdirs[@]}"; do seqargs+=(--sequences "$d"); done
+    sequence_args
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
       --out /opt/drafter-run --checkpoint "$OUT/drafter-checkpoint" "${seqargs[@]}" \
