@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
@@ -126,6 +127,62 @@ def engine_rows(doc: dict, source: str) -> list[dict]:
     return rows
 
 
+# The issue's goal for the chain at T=0 (engine, batch 1), which the curve's projection
+# reads on the trainer's offline chain of the same sets.
+CHAIN_GOALS = {"humaneval": 3.0, "sharegpt": 2.5}
+
+
+def training_curve(training: dict | None, goals: dict[str, float] = CHAIN_GOALS) -> dict | None:
+    """The drafter's acceptance against its training, from the history its config keeps
+    (``fixture_training``: each ``drafter-train`` run, the one it started from under
+    ``settings.init_from``): per run, the steps and answer tokens so far and the trainer's
+    offline chain tau at its end. ``fit``: per evaluation set, the least-squares line
+    tau = a + b ln(steps) over those points and, where it rises, the steps at which it
+    would reach the goal -- an extrapolation of a few points, not a measurement."""
+    if not training:
+        return None
+    history = []
+    node = training
+    while node:
+        history.append(node)
+        node = (node.get("settings") or {}).get("init_from")
+    points, steps, tokens, seconds, timed_steps = [], 0, 0, 0.0, 0
+    for node in reversed(history):
+        for run in node.get("runs") or []:
+            n = run["end_step"] - run["start_step"]
+            steps += n
+            tokens += run.get("response_tokens") or 0
+            if run.get("seconds"):
+                seconds += run["seconds"]
+                timed_steps += n
+            points.append({"steps": steps, "run_steps": n, "layers": node["settings"].get("layers"),
+                           "data": run.get("data"), "response_tokens": run.get("response_tokens"),
+                           "eval": run.get("eval") or {}})
+    fit = {}
+    for name in sorted({k for p in points for k in p["eval"]}):
+        xy = [(math.log(p["steps"]), p["eval"][name]) for p in points if name in p["eval"]]
+        if len(xy) < 2:
+            continue
+        mx = sum(x for x, _ in xy) / len(xy)
+        my = sum(y for _, y in xy) / len(xy)
+        sxx = sum((x - mx) ** 2 for x, _ in xy)
+        if sxx == 0:
+            continue
+        b = sum((x - mx) * (y - my) for x, y in xy) / sxx
+        a = my - b * mx
+        row = {"points": len(xy), "a": round(a, 4), "b_per_e_fold": round(b, 4),
+               "last": xy[-1][1]}
+        goal = goals.get(name)
+        if goal is not None:
+            row["goal"] = goal
+            row["steps_to_goal"] = (round(math.exp((goal - a) / b)) if b > 0 else None)
+        fit[name] = row
+    out = {"runs": points, "fit": fit}
+    if timed_steps:
+        out["seconds_per_step"] = round(seconds / timed_steps, 4)
+    return out
+
+
 def build(drafter: str, offline: list[str], runs: list[str]) -> dict:
     info = drafter_info(drafter)
     chain_length = info["block_size"] - 1 if info["block_size"] else None
@@ -144,7 +201,7 @@ def build(drafter: str, offline: list[str], runs: list[str]) -> dict:
     rows.sort(key=lambda x: (x["where"], x["prompt_set"], x["method"], x["budget"] or 0,
                              x["temperature"], x["batch_size"] or 0, x.get("answers") or 0))
     return {"drafter": info, "git_revs": sorted(r for r in revs if r),
-            "tau": rows}
+            "curve": training_curve(info["training"]), "tau": rows}
 
 
 def main(argv=None) -> int:
@@ -160,6 +217,9 @@ def main(argv=None) -> int:
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+    for name, f in ((doc["curve"] or {}).get("fit") or {}).items():
+        print(f"curve   {name:18} tau {f['last']} after the last run, {f['b_per_e_fold']:+} "
+              f"an e-fold of steps; goal {f.get('goal')} at ~{f.get('steps_to_goal')} steps")
     for r in doc["tau"]:
         print(f"{r['where']:7} {r['prompt_set']:18} {r['method']:6} B={r['budget']} "
               f"T={r['temperature']} batch={r['batch_size']}: tau {r['tau']}")

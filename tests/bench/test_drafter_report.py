@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,3 +110,35 @@ def test_files_of_another_drafter_are_refused(tmp_path):
                    "--out", str(tmp_path / "d.json")]) == 0
     doc = json.loads((tmp_path / "d.json").read_text())
     assert doc["drafter"]["digest"] == mine and doc["tau"][0]["tau"] == 2.0
+
+
+def test_the_curve_reads_the_training_history_oldest_run_first():
+    def run(steps, tokens, sharegpt, humaneval, seconds=None):
+        r = {"start_step": 0, "end_step": steps, "response_tokens": tokens,
+             "data": ["d"], "eval": {"sharegpt": sharegpt, "humaneval": humaneval}}
+        if seconds is not None:
+            r["seconds"] = seconds
+        return r
+    first = {"settings": {"layers": 2}, "runs": [run(1000, 10, 1.5, 1.4, seconds=80.0)]}
+    second = {"settings": {"layers": 2, "init_from": first},
+              "runs": [run(1718, 20, 1.5 + 0.3, 1.4 + 0.1, seconds=120.0)]}
+    third = {"settings": {"layers": 3, "init_from": second}, "runs": [run(4671, 30, 1.5 + 0.6, 1.4)]}
+    curve = R.training_curve(third, {"sharegpt": 2.4, "humaneval": 3.0})
+    assert [p["steps"] for p in curve["runs"]] == [1000, 2718, 7389]
+    assert [p["layers"] for p in curve["runs"]] == [2, 2, 3]
+    # ln(steps) rises by 1 a run: sharegpt rises 0.3 an e-fold, exactly on the line.
+    sg = curve["fit"]["sharegpt"]
+    assert sg["b_per_e_fold"] == pytest.approx(0.3) and sg["last"] == pytest.approx(2.1)
+    assert sg["steps_to_goal"] == pytest.approx(7389 * math.e, rel=1e-3)  # 0.3 more: an e-fold
+    # A set that does not rise over the runs has no step count to its goal.
+    assert curve["fit"]["humaneval"]["steps_to_goal"] is None
+    assert curve["seconds_per_step"] == pytest.approx(200.0 / 2718, abs=1e-4)
+    assert R.training_curve(None) is None
+
+
+def test_the_committed_drafters_curve_is_in_drafter_json():
+    with open(os.path.join(REPO, "bench", "results", "drafter.json")) as f:
+        doc = json.load(f)
+    with open(os.path.join(DRAFTER, "config.json")) as f:
+        cfg = json.load(f)
+    assert doc["curve"] == R.training_curve(cfg["fixture_training"])
