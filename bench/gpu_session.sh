@@ -115,11 +115,18 @@ apply_series() {
   fi
 }
 
-prepare() {
+# The benchmark target converted from the fixture's GGUF (once per machine). The
+# drafter's trainer needs nothing else: it runs without vLLM, so a loan that only trains
+# stages the fixture alone and carries the sequences.
+convert_target() {
   if [ ! -f "$TARGET/config.json" ]; then
     python3 -m bench.fixture.convert_smollm2 --gguf "$FIXTURE/SmolLM2-135M-Instruct.Q4_1.gguf" \
       --out "$TARGET" > "$OUT/convert.log" 2>&1 || { echo "convert failed"; tail -20 "$OUT/convert.log"; exit 1; }
   fi
+}
+
+prepare() {
+  convert_target
   apply_series
 }
 
@@ -520,7 +527,7 @@ case "$step" in
     # FlexAttention, eager or compiled), from the same weights over the same batches of
     # DRAFTER_SEQUENCES (bench/drafter_train_speed.py) -> $OUT/drafter-train-speed.json;
     # DRAFTER_SPEED_ARGS: its options (--layers, --variants, --profile VARIANT, ...).
-    prepare
+    convert_target
     sequence_args
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 bench/drafter_train_speed.py --target "$TARGET" "${seqargs[@]}" \
@@ -539,7 +546,7 @@ case "$step" in
     # DRAFTER_TRAIN_ARGS: the recipe's options (--layers, --total-steps, ...;
     # --eval-tree-budgets 8 16 32 64 128 also simulates DDTree's trees after training,
     # outside the deadline's --eval-reserve-s).
-    prepare
+    convert_target
     sequence_args
     # shellcheck disable=SC2086  # a list of options
     timeout 570 python3 -m bench.fixture.train_dflash_drafter --target "$TARGET" --data "$DATA" \
