@@ -557,6 +557,7 @@ case "$step" in
       ${DRAFTER_TRAIN_ARGS:-} > "$OUT/drafter-train.log" 2>&1
     echo "drafter-train rc=$?"; tail -4 "$OUT/drafter-train.log" | cut -c1-400
     cp /opt/drafter-run/eval.json "$OUT/drafter-eval.json" 2>/dev/null
+    cp /opt/drafter-run/train_log.jsonl "$OUT/drafter-train-log.jsonl" 2>/dev/null
     ;;
   drafter-eval)
     # Tau against the budget at batch 1: the chain and DDTree with fixed budgets
