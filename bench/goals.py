@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
            "prompt_set_held_out": args.held_out,
            "command": "python3 bench/goals.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "sources": [{"file": os.path.basename(f), "command": d.get("command"),
-                        "engine_order": [e["config"] for e in d.get("engines", [])]}
+                        "engine_order": [e["config"] for e in d.get("engines", [])],
+                        "gpu": d.get("gpu")}
                        for f, d in zip(args.files, docs)],
            "goal": f"DDTree >= {GOAL_RATIO}x the better of plain decoding and the chain",
            "cells": cells}

@@ -75,7 +75,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     paths = []
     for i, order in enumerate((["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"])):
         p = tmp_path / f"r{i}.json"
-        p.write_text(json.dumps(_doc(order, RATES)))
+        p.write_text(json.dumps({**_doc(order, RATES), "gpu": f"card {i}"}))
         paths.append(str(p))
     out = tmp_path / "goals.json"
     assert G.main(["--held-out", "held", "--out", str(out), "--table",
@@ -84,6 +84,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert doc["prompt_set_held_out"] == "held" and doc["git_rev"] == "abc"
     assert [s["engine_order"] for s in doc["sources"]] == [
         ["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"]]
+    assert [s["gpu"] for s in doc["sources"]] == ["card 0", "card 1"]    # each run's card
     assert doc["cells"][0]["both_orders"]
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out

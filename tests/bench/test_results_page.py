@@ -48,7 +48,7 @@ def test_the_plot_draws_each_cell_and_each_files_ratio():
 def test_the_page_shows_the_files_it_is_made_of(tmp_path):
     goals = {"git_rev": "abc", "prompt_set_held_out": "held", "goal": "the goal",
              "sources": [{"file": "run.json.gz", "command": "python bench/run.py ...",
-                          "engine_order": ["no-spec", "ddtree-b64"]}],
+                          "engine_order": ["no-spec", "ddtree-b64"], "gpu": "NVIDIA H100"}],
              "cells": [{"suite": "fixture", "prompt_set": "held", "mode": "waves", "batch": 4,
                         "temperature": 0.0, "tok_s": {"no-spec": 100.0, "ddtree": 120.0}, "tau": {"ddtree": 1.9},
                         "spread": {"no-spec": 0.1, "ddtree": 0.2},
@@ -66,6 +66,7 @@ def test_the_page_shows_the_files_it_is_made_of(tmp_path):
     assert "### Later run: `2026-01-02-a-run/goals-later.json`" in page
     assert "what the run measured |" in page and "not-a-run" not in page
     assert "`python bench/run.py ...`" in page
+    assert "(engines in order: no-spec, ddtree-b64, NVIDIA H100)" in page    # the run's card
 
 
 def test_the_script_runs_as_documented():
