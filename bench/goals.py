@@ -2,7 +2,7 @@
 cell, from ``bench/run.py`` result files (one per engine round; alternate the engine
 order between rounds), never written by hand.
 
-Per cell (suite, prompt set, batch, temperature, mode, vLLM version) and engine: the median of every
+Per cell (suite, prompt set, batch, temperature, mode, vLLM version, GPU) and engine: the median of every
 repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
 and tau; and the orders the engines were started in (``engine_orders``; ``both_orders``:
 DDTree's engine started first in one round and last in another, so that drift over a
@@ -84,6 +84,9 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
         suite = doc.get("suite")
         mode = doc.get("cell_mode") or "waves"
         version = doc.get("vllm_version") or "unknown"
+        # Tokens a second are pooled only within one kind of card: an H100's and an
+        # H200's runs of the same cell are two cells.
+        gpu = doc.get("gpu") or "unknown"
         orders = engine_orders(doc, ddtree, dflash)
         interleaved = bool(doc.get("interleave"))
         for r in doc.get("results") or []:
@@ -92,7 +95,7 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
             role = _role(r, ddtree, dflash)
             if role is None:
                 continue
-            key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode, version)
+            key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode, version, gpu)
             cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
             cells[key].setdefault("_interleaved", {})[index] = interleaved
             cells[key].setdefault("_revs", {})[index] = doc.get("git_rev")
@@ -170,7 +173,7 @@ def latest_file(roles: dict, others: tuple[str, ...]) -> dict | None:
 
 def summarise(cells: dict) -> list[dict]:
     out = []
-    for (suite, prompt_set, batch, temp, mode, version), roles in sorted(cells.items()):
+    for (suite, prompt_set, batch, temp, mode, version, gpu), roles in sorted(cells.items()):
         tok_s, spread, tau, configs, repeats = {}, {}, {}, {}, {}
         orders = roles.get("_orders", set())
         for role, slot in roles.items():
@@ -184,7 +187,7 @@ def summarise(cells: dict) -> list[dict]:
             if slot["tau"]:
                 tau[role] = round(statistics.median(slot["tau"]), 4)
         cell = {"suite": suite, "prompt_set": prompt_set, "batch": batch,
-                "temperature": temp, "mode": mode, "vllm_version": version,
+                "temperature": temp, "mode": mode, "vllm_version": version, "gpu": gpu,
                 "tok_s": tok_s, "tau": tau,
                 "spread": spread, "repeats": repeats, "configs": configs,
                 "engine_orders": sorted(list(o) for o in orders),
@@ -221,10 +224,10 @@ def summarise(cells: dict) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| vLLM | suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
+    lines = ["| vLLM | GPU | suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
              "DDTree / plain | DDTree / plain by file | DDTree / best, paired (min-max, pairs) | "
              "tau chain / DDTree | spread plain / chain / DDTree | latest file: DDTree / best (rev) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         p = c.get("ddtree_vs_best_other_paired")
@@ -232,7 +235,7 @@ def table(cells: list[dict]) -> str:
         lt = c.get("latest")
         latest = f"{lt['ddtree_vs_best_other']} ({lt['git_rev']})" if lt else ""
         lines.append(
-            f"| {c.get('vllm_version', '')} | {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
+            f"| {c.get('vllm_version', '')} | {c.get('gpu', '')} | {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
             f"{c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "

@@ -121,13 +121,13 @@ def run_dirs(results: str = RESULTS) -> list[str]:
 
 def goals_svg(cells: list[dict]) -> str:
     """DDTree / plain decoding against batch size (log2 axis), one panel per suite and
-    temperature (and vLLM version, where cells of several are present): the pooled median (line) and each result file's own ratio (dots);
+    temperature (and vLLM version and GPU, where cells of several are present): the pooled median (line) and each result file's own ratio (dots);
     dashed lines at 1 (plain decoding) and at the goal, 0.97."""
     panels: dict = {}
     for c in cells:
         if "ddtree_vs_no_spec" in c:
-            panels.setdefault((c.get("vllm_version") or "", c.get("suite") or "",
-                               c["temperature"]), []).append(c)
+            panels.setdefault((c.get("vllm_version") or "", c.get("gpu") or "",
+                               c.get("suite") or "", c["temperature"]), []).append(c)
     if not panels:
         return ""
     ratios = [r for cs in panels.values() for c in cs
@@ -140,8 +140,9 @@ def goals_svg(cells: list[dict]) -> str:
     pw, ph = w - pad_l - 12, h - pad_t - pad_b
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels)}" height="{h}" '
            'font-family="sans-serif" font-size="11">']
-    versions = {v for v, _, _ in panels}
-    for k, ((version, suite, temp), cs) in enumerate(sorted(panels.items())):
+    versions = {v for v, _, _, _ in panels}
+    gpus = {g for _, g, _, _ in panels}
+    for k, ((version, gpu, suite, temp), cs) in enumerate(sorted(panels.items())):
         x0 = k * w + pad_l
 
         def x(b):
@@ -149,7 +150,9 @@ def goals_svg(cells: list[dict]) -> str:
 
         def y(r):
             return pad_t + ph * (hi - r) / (hi - lo)
-        on = f" (vLLM {version})" if len(versions) > 1 else ""
+        on = ", ".join(([f"vLLM {version}"] if len(versions) > 1 else [])
+                       + ([gpu.replace("NVIDIA ", "")] if len(gpus) > 1 else []))
+        on = f" ({on})" if on else ""
         out.append(f'<text x="{x0}" y="16">{suite}, T={temp:g}{on}: DDTree / plain decoding</text>')
         out.append(f'<rect x="{x0}" y="{pad_t}" width="{pw}" height="{ph}" fill="none" '
                    'stroke="#999"/>')

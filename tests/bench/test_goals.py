@@ -75,7 +75,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     paths = []
     for i, order in enumerate((["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"])):
         p = tmp_path / f"r{i}.json"
-        p.write_text(json.dumps({**_doc(order, RATES), "gpu": f"card {i}"}))
+        p.write_text(json.dumps({**_doc(order, RATES), "gpu": "NVIDIA H200"}))
         paths.append(str(p))
     out = tmp_path / "goals.json"
     assert G.main(["--held-out", "held", "--out", str(out), "--table",
@@ -84,11 +84,11 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert doc["prompt_set_held_out"] == "held" and doc["git_rev"] == "abc"
     assert [s["engine_order"] for s in doc["sources"]] == [
         ["no-spec", "ddtree-b64-t512"], ["ddtree-b64-t512", "no-spec"]]
-    assert [s["gpu"] for s in doc["sources"]] == ["card 0", "card 1"]    # each run's card
+    assert [s["gpu"] for s in doc["sources"]] == ["NVIDIA H200"] * 2    # each run's card
     assert doc["cells"][0]["both_orders"]
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out
-    assert "| 0.26.0 | fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+    assert "| 0.26.0 | NVIDIA H200 | fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
 
 
 def test_each_vllm_version_gets_its_own_cells():
@@ -104,6 +104,20 @@ def test_each_vllm_version_gets_its_own_cells():
     del older["vllm_version"]
     assert {c["vllm_version"] for c in G.summarise(G.gather([older, newer]))} == {
         "unknown", "0.33.0"}
+
+
+def test_each_gpu_gets_its_own_cells():
+    # Tokens a second of two kinds of card are never pooled into one median.
+    order = ["no-spec", "dflash-t512", "ddtree-b64-t512"]
+    h100 = {**_doc(order, RATES), "gpu": "NVIDIA H100 80GB HBM3"}
+    h200 = {**_doc(order, {"no-spec": [200.0], "dflash-t512": [150.0],
+                           "ddtree-b64-t512": [180.0]}), "gpu": "NVIDIA H200"}
+    cells = G.summarise(G.gather([h100, h200]))
+    assert [(c["gpu"], c["tok_s"]["no-spec"]) for c in cells] == [
+        ("NVIDIA H100 80GB HBM3", 100.0), ("NVIDIA H200", 200.0)]
+    assert cells[0]["goal_met"] and not cells[1]["goal_met"]
+    del h100["gpu"]
+    assert {c["gpu"] for c in G.summarise(G.gather([h100, h200]))} == {"unknown", "NVIDIA H200"}
 
 
 def test_per_file_ratios_show_what_the_pooled_median_hides():
