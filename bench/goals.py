@@ -2,7 +2,7 @@
 cell, from ``bench/run.py`` result files (one per engine round; alternate the engine
 order between rounds), never written by hand.
 
-Per cell (suite, prompt set, batch, temperature, mode, vLLM version, GPU) and engine: the median of every
+Per cell (suite, prompt set, batch, temperature, mode, vLLM version, GPU, drafter) and engine: the median of every
 repeat of every round (``output_tokens_per_s_runs``), the spread (max - min) / median,
 and tau; and the orders the engines were started in (``engine_orders``; ``both_orders``:
 DDTree's engine started first in one round and last in another, so that drift over a
@@ -87,6 +87,10 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
         # Tokens a second are pooled only within one kind of card: an H100's and an
         # H200's runs of the same cell are two cells.
         gpu = doc.get("gpu") or "unknown"
+        # And only with one drafter: a retrained drafter's runs start cells of their own
+        # (its weights digest; None where a file names none: the dummy-weight suites and
+        # the fixture's files of before the field).
+        drafter = doc.get("drafter_digest")
         orders = engine_orders(doc, ddtree, dflash)
         interleaved = bool(doc.get("interleave"))
         for r in doc.get("results") or []:
@@ -95,7 +99,8 @@ def gather(docs: list[dict], ddtree: str | None = None, dflash: str | None = Non
             role = _role(r, ddtree, dflash)
             if role is None:
                 continue
-            key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode, version, gpu)
+            key = (suite, r["prompt_set"], r["batch_size"], r["temperature"], mode, version, gpu,
+                   drafter)
             cells.setdefault(key, {}).setdefault("_orders", set()).update(orders)
             cells[key].setdefault("_interleaved", {})[index] = interleaved
             cells[key].setdefault("_revs", {})[index] = doc.get("git_rev")
@@ -173,7 +178,9 @@ def latest_file(roles: dict, others: tuple[str, ...]) -> dict | None:
 
 def summarise(cells: dict) -> list[dict]:
     out = []
-    for (suite, prompt_set, batch, temp, mode, version, gpu), roles in sorted(cells.items()):
+    for key, roles in sorted(cells.items(), key=lambda kv: tuple("" if k is None else k
+                                                                  for k in kv[0])):
+        suite, prompt_set, batch, temp, mode, version, gpu, drafter = key
         tok_s, spread, tau, configs, repeats = {}, {}, {}, {}, {}
         orders = roles.get("_orders", set())
         for role, slot in roles.items():
@@ -188,7 +195,7 @@ def summarise(cells: dict) -> list[dict]:
                 tau[role] = round(statistics.median(slot["tau"]), 4)
         cell = {"suite": suite, "prompt_set": prompt_set, "batch": batch,
                 "temperature": temp, "mode": mode, "vllm_version": version, "gpu": gpu,
-                "tok_s": tok_s, "tau": tau,
+                "drafter_digest": drafter, "tok_s": tok_s, "tau": tau,
                 "spread": spread, "repeats": repeats, "configs": configs,
                 "engine_orders": sorted(list(o) for o in orders),
                 "both_orders": both_orders(orders)}
@@ -224,10 +231,10 @@ def summarise(cells: dict) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| vLLM | GPU | suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
+    lines = ["| vLLM | GPU | drafter | suite | set | mode | batch | T | plain tok/s | chain tok/s | DDTree tok/s | DDTree / best | "
              "DDTree / plain | DDTree / plain by file | DDTree / best, paired (min-max, pairs) | "
              "tau chain / DDTree | spread plain / chain / DDTree | latest file: DDTree / best (rev) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         t, s, tau = c["tok_s"], c["spread"], c["tau"]
         p = c.get("ddtree_vs_best_other_paired")
@@ -235,7 +242,7 @@ def table(cells: list[dict]) -> str:
         lt = c.get("latest")
         latest = f"{lt['ddtree_vs_best_other']} ({lt['git_rev']})" if lt else ""
         lines.append(
-            f"| {c.get('vllm_version', '')} | {c.get('gpu', '')} | {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
+            f"| {c.get('vllm_version', '')} | {c.get('gpu', '')} | {c.get('drafter_digest') or ''} | {c.get('suite', '')} | {c['prompt_set']} | {c.get('mode', '')} | {c['batch']} | "
             f"{c['temperature']:g} | "
             f"{t.get('no-spec', '')} | {t.get('dflash', '')} | {t.get('ddtree', '')} | "
             f"{c.get('ddtree_vs_best_other', '')} | {c.get('ddtree_vs_no_spec', '')} | "

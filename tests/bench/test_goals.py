@@ -88,7 +88,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert doc["cells"][0]["both_orders"]
     assert "1 cells, goal met in 1 (1 of them with DDTree's engine started both first" \
         in capsys.readouterr().out
-    assert "| 0.26.0 | NVIDIA H200 | fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
+    assert "| 0.26.0 | NVIDIA H200 |  | fixture | held | waves | 4 | 0 |" in (tmp_path / "goals.md").read_text()
 
 
 def test_each_vllm_version_gets_its_own_cells():
@@ -118,6 +118,22 @@ def test_each_gpu_gets_its_own_cells():
     assert cells[0]["goal_met"] and not cells[1]["goal_met"]
     del h100["gpu"]
     assert {c["gpu"] for c in G.summarise(G.gather([h100, h200]))} == {"unknown", "NVIDIA H200"}
+
+
+def test_each_drafter_gets_its_own_cells():
+    # A retrained drafter's runs are not pooled with the runs of the drafter before it;
+    # the dummy-weight suites name none (None) and sort with the others.
+    order = ["no-spec", "dflash-t512", "ddtree-b64-t512"]
+    old = {**_doc(order, RATES), "drafter_digest": "c06a7a2074fa"}
+    new = {**_doc(order, {"no-spec": [100.0], "dflash-t512": [90.0],
+                          "ddtree-b64-t512": [150.0]}), "drafter_digest": "4ef2a090510f"}
+    dummy = _doc(order, RATES, suite="cost8b")
+    cells = G.summarise(G.gather([old, new, dummy]))
+    assert [(c["suite"], c["drafter_digest"], c["tok_s"]["ddtree"]) for c in cells] == [
+        ("cost8b", None, RATES["ddtree-b64-t512"][0]),
+        ("fixture", "4ef2a090510f", 150.0),
+        ("fixture", "c06a7a2074fa", RATES["ddtree-b64-t512"][0])]
+    assert "| 4ef2a090510f | fixture |" in G.table(cells)
 
 
 def test_per_file_ratios_show_what_the_pooled_median_hides():
