@@ -81,7 +81,7 @@ def test_main_writes_the_summary_and_counts_cells_met_in_both_orders(tmp_path, c
     assert G.main(["--held-out", "held", "--out", str(out), "--table",
                    str(tmp_path / "goals.md"), *paths]) == 0
     doc = json.loads(out.read_text())
-    # One line per top-level field and per cell, and the same document as indented JSON.
+    # One line per top-level field and per cell, read back as the same document.
     lines = out.read_text().splitlines()
     assert len(lines) == 2 + (len(doc) - 1) + 2 + len(doc["cells"])
     assert json.loads(G.dumps(doc)) == doc
