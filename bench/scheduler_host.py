@@ -38,41 +38,6 @@ sys.path.insert(0, ROOT)
 from bench.online_budget_host import write_result  # noqa: E402
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def as_h200() -> None:
-    """vLLM's configuration code answered as on one H200 (what the ``h200`` test
-    fixture does, for the life of this process)."""
-    import vllm.config.vllm as vllm_config_module
-    import vllm.engine.arg_utils as arg_utils
-    import vllm.platforms
-
-    from tests.unit.test_ddtree_batch_defaults import H200Platform
-
-    plat = H200Platform()
-    vllm.platforms.current_platform = plat
-    arg_utils.current_platform = plat
-    vllm_config_module.HAS_TRITON = True
-    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-
-
-def tiny_models(root: Path) -> dict[str, str]:
-    from tests.unit.test_ddtree_batch_defaults import _write_model
-
-    return {
-        "target": _write_model(root / "target", architectures=["Qwen3ForCausalLM"]),
-        "drafter": _write_model(
-            root / "drafter", architectures=["DFlashDraftModel"], num_hidden_layers=1,
-            block_size=16, dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]}),
-    }
-
-
 def engine_config(models: dict[str, str], kind: str):
     """What `vllm serve <target>` resolves to: plain decoding, or with the README's
     DDTree speculative configuration."""
@@ -94,10 +59,10 @@ def time_steps(cfg, batch: int, warmup: int, steps: int) -> dict:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    from tests.unit.test_online_budget import _scheduler, step_ms
+    from tests.unit.test_online_budget import Clock, _scheduler, step_ms
 
     s = _scheduler(cfg, log_stats=True)
-    clock = _Clock()
+    clock = Clock()
     budget = getattr(s, "ddtree_budget", None)
     if budget is not None:
         budget._clock = clock
@@ -130,8 +95,13 @@ def time_steps(cfg, batch: int, warmup: int, steps: int) -> dict:
 
 
 def measure(batch_sizes: list[int], warmup: int, steps: int, rounds: int) -> list[dict]:
-    as_h200()
-    models = tiny_models(Path(tempfile.mkdtemp()))
+    import pytest
+
+    from tests.unit.test_ddtree_batch_defaults import patch_h200, write_models
+
+    # vLLM's configuration code answered as on one H200, for the life of this process.
+    patch_h200(pytest.MonkeyPatch())
+    models = write_models(Path(tempfile.mkdtemp()))
     configs = {kind: engine_config(models, kind) for kind in ("plain", "ddtree")}
     rows = []
     for batch in batch_sizes:

@@ -58,15 +58,19 @@ def _write_model(path: Path, **fields) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
+def write_models(root: Path) -> dict[str, str]:
+    """A tiny Qwen3 target and DFlash drafter under ``root`` (configs only)."""
     return {
         "target": _write_model(root / "target", architectures=["Qwen3ForCausalLM"]),
         "drafter": _write_model(
             root / "drafter", architectures=["DFlashDraftModel"], num_hidden_layers=1,
             block_size=16, dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 2]}),
     }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return write_models(tmp_path_factory.mktemp("models"))
 
 
 class H200Platform(CpuPlatform):
@@ -96,6 +100,12 @@ class H200Platform(CpuPlatform):
 @pytest.fixture
 def h200(monkeypatch):
     """vLLM's engine arguments and VllmConfig on an H200 (Triton has a driver there)."""
+    return patch_h200(monkeypatch)
+
+
+def patch_h200(monkeypatch: pytest.MonkeyPatch) -> H200Platform:
+    """What :func:`h200` does, with ``monkeypatch`` (a process of its own, e.g.
+    ``bench/scheduler_host.py``, passes a ``pytest.MonkeyPatch()`` it never undoes)."""
     import vllm.config.vllm as vllm_config_module
     import vllm.platforms
 
