@@ -7,9 +7,9 @@ scheduler (``AsyncScheduler``, as `vllm serve` picks it) twice from configuratio
 resolved as `vllm serve` resolves them on an H200 (the device queries answered as one
 does, ``tests/unit/test_ddtree_batch_defaults.py``; prefix caching off, the KV cache
 of ``tests/unit/test_online_budget.py``): plain decoding, and the README's DDTree
-configuration (online budget on). ``batch`` sampled requests decode; the benchmark plays
-the GPU: one token a request a step, nothing accepted, the step times of
-``tests.unit.test_online_budget.step_ms`` on the controller's clock, so that the
+configuration (online budget on). ``batch`` sampled requests decode; the tests' stand-in
+for the GPU (``tests.unit.test_online_budget.Serving``) plays it: one token a request a
+step, nothing accepted, the step times of ``step_ms`` on the controller's clock, so that the
 controller turns drafting off (its probes still draft; ``drafted_steps`` counts them).
 After ``--warmup`` steps it times ``--steps`` steps of each, the two configurations in
 turns (A B, B A, ...) for ``--rounds`` rounds, and reports per batch size the medians of
@@ -29,7 +29,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,43 +54,17 @@ def engine_config(models: dict[str, str], kind: str):
 
 def time_steps(cfg, batch: int, warmup: int, steps: int) -> dict:
     """Microseconds of ``schedule()`` and ``update_from_output()`` a decode step."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from tests.unit.test_online_budget import Serving, _scheduler
 
-    from tests.unit.test_online_budget import Clock, _scheduler, step_ms
-
-    s = _scheduler(cfg, log_stats=True)
-    clock = Clock()
-    budget = getattr(s, "ddtree_budget", None)
-    if budget is not None:
-        budget._clock = clock
-    for i in range(batch):
-        s.add_request(Request(f"r{i}", list(range(10, 42)),
-                              SamplingParams(max_tokens=10**7, ignore_eos=True,
-                                             temperature=1.0), None))
-    sched, update, drafted = [], [], 0
-    for k in range(warmup + steps):
-        t0 = time.perf_counter()
-        out = s.schedule()
-        t1 = time.perf_counter()
-        ids = list(out.num_scheduled_tokens)
-        drafts = max((len(out.scheduled_spec_decode_tokens.get(r, ())) for r in ids),
-                     default=0)
-        result = ModelRunnerOutput(req_ids=ids,
-                                   req_id_to_index={r: i for i, r in enumerate(ids)},
-                                   sampled_token_ids=[[7] for _ in ids])
-        clock.t += step_ms(len(ids), drafts) / 1e3
-        t2 = time.perf_counter()
-        s.update_from_output(out, result)
-        t3 = time.perf_counter()
-        if k >= warmup:
-            sched.append((t1 - t0) * 1e6)
-            update.append((t3 - t2) * 1e6)
-            drafted += drafts > 0
+    # The tests' GPU stand-in: one token a request a step, nothing accepted.
+    serving = Serving(_scheduler(cfg, log_stats=True), batch)
+    verified = serving.run(warmup + steps, quality=0.0)
+    sched = [a * 1e6 for a, _ in serving.times[warmup:]]
+    update = [b * 1e6 for _, b in serving.times[warmup:]]
     total = [a + b for a, b in zip(sched, update)]
     return {"us_p50": statistics.median(total), "schedule_us_p50": statistics.median(sched),
-            "update_us_p50": statistics.median(update), "drafted_steps": drafted}
+            "update_us_p50": statistics.median(update),
+            "drafted_steps": sum(1 for d in verified[warmup:] if d > 0)}
 
 
 def measure(batch_sizes: list[int], warmup: int, steps: int, rounds: int) -> list[dict]:

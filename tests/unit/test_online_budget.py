@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
@@ -78,18 +79,23 @@ def step_ms(batch: int, drafts: int) -> float:
 
 class Serving:
     """The scheduler with the test as its GPU: ``quality`` is the chance that each
-    next draft token along the path is accepted."""
+    next draft token along the path is accepted. Works for plain decoding's scheduler
+    too (no controller); ``times`` holds each step's host seconds in ``schedule()`` and
+    in ``update_from_output()`` (``bench/scheduler_host.py``)."""
 
     def __init__(self, scheduler: AsyncScheduler, num_requests: int, seed: int = 0,
                  temperature: float = 1.0) -> None:
         self.s = scheduler
         self.clock = Clock()
-        self.s.ddtree_budget._clock = self.clock
+        budget = getattr(scheduler, "ddtree_budget", None)
+        if budget is not None:
+            budget._clock = self.clock
         self.rng = random.Random(seed)
         self.req_ids: list[str] = []
         self.add(num_requests, temperature)
         self.stats: list = []  # the SchedulerStats of each step (log_stats)
         self.scheduled: list[int] = []  # num_spec_tokens_to_schedule per step
+        self.times: list[tuple[float, float]] = []  # (schedule, update) seconds per step
 
     def add(self, num_requests: int, temperature: float) -> None:
         """``num_requests`` more requests (SamplingParams' default T=1: sampled)."""
@@ -108,7 +114,9 @@ class Serving:
     def run(self, steps: int, quality: float) -> list[int]:
         verified = []
         for _ in range(steps):
+            t0 = time.perf_counter()
             out = self.s.schedule()
+            t1 = time.perf_counter()
             self.scheduled.append(out.num_spec_tokens_to_schedule)
             req_ids = list(out.num_scheduled_tokens)
             sampled = []
@@ -122,9 +130,12 @@ class Serving:
                 sampled.append([7] * (1 + accepted))
             verified.append(drafts_max)
             self.clock.t += step_ms(len(req_ids), drafts_max) / 1e3
-            outputs = self.s.update_from_output(out, ModelRunnerOutput(
+            result = ModelRunnerOutput(
                 req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled))
+                sampled_token_ids=sampled)
+            t2 = time.perf_counter()
+            outputs = self.s.update_from_output(out, result)
+            self.times.append((t1 - t0, time.perf_counter() - t2))
             self.stats.extend(o.scheduler_stats for o in outputs.values()
                               if o.scheduler_stats is not None)
         return verified
