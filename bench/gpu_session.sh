@@ -40,7 +40,8 @@
 #                                      # entrypoint with the Kubernetes base's ddtree.env
 #   bash bench/gpu_session.sh cost     # the cost model's GPU timer test, then bench/run.py
 #                                      # --suite cost8b (Qwen3-8B shape, dummy); COST_CONFIGS,
-#                                      # COST_REPEATS, COST_ENGINE_ROUNDS, COST_PROFILE=0
+#                                      # COST_REPEATS, COST_ENGINE_ROUNDS, COST_BATCH_SIZES,
+#                                      # COST_PROFILE=0
 #   bash bench/gpu_session.sh algos    # bench/bench_algorithms.py kernel timings
 #   bash bench/gpu_session.sh graphs   # greedy equivalence, real pair, float32, CUDA graphs
 #   bash bench/gpu_session.sh lossless # greedy and seeded T>0 equivalence, real pair, float32
@@ -296,7 +297,8 @@ case "$step" in
     echo "cost-model timer tests rc=$?"; tail -2 "$OUT/gpu-cost-model-timer-tests.log"
     # COST_PROFILE=0: no step profile (its events cost DDTree host time; goal runs);
     # COST_REPEATS (3: one repeat a cell is one 64-step wave, in which the controller
-    # is still learning), COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS.
+    # is still learning), COST_ENGINE_ROUNDS (alternating engine order), COST_MAX_TOKENS,
+    # COST_BATCH_SIZES (default: the suite's 1 4 16 64).
     cost_profile=(--profile-dir "$OUT")
     [ "${COST_PROFILE:-1}" = 0 ] && cost_profile=()
     # COST_INTERLEAVE=1: the engines alive at once, repeats in turns (bench/run.py --interleave).
@@ -307,6 +309,7 @@ case "$step" in
       ${COST_CONFIGS:+--configs $COST_CONFIGS} --repeats "${COST_REPEATS:-3}" \
       ${COST_ENGINE_ROUNDS:+--engine-rounds $COST_ENGINE_ROUNDS} \
       ${COST_MAX_TOKENS:+--max-tokens $COST_MAX_TOKENS} \
+      ${COST_BATCH_SIZES:+--batch-sizes $COST_BATCH_SIZES} \
       --time-budget-s "${BENCH_BUDGET_S:-440}" --engine-estimate-s "${COST_ENGINE_ESTIMATE_S:-120}" \
       > "$OUT/bench-cost8b.log" 2>&1
     echo "cost rc=$?"; grep '^{\|skip\|failed' "$OUT/bench-cost8b.log" | cut -c1-300

@@ -45,7 +45,9 @@ bucket's estimates, else the prior (``prior_accepted``; by default
 against batch size, a tree overhead), times a per-(bucket, budget) multiplicative
 correction: the decayed mean of measured / modelled step time, inferred for
 unmeasured budgets like acceptance (a correction of 1 where nothing is known), and
-made non-decreasing in ``b`` (a larger tree never costs less). Steps that also
+made non-decreasing in ``b`` (a larger tree never costs less) and bounded by what a
+bucket of larger batches measured at the same budget (fewer requests never cost more:
+:meth:`BudgetController._larger_batch_bounds`). Steps that also
 prefilled (``prefill_tokens > 0``), and steps that verified one budget and drafted
 another (``drafted_budget``), feed acceptance but not cost.
 
@@ -975,6 +977,35 @@ class BudgetController:
                                                  for b in self.levels]
         return values
 
+    def _larger_batch_bounds(self, i: int) -> list[float | None]:
+        """Per level, the least step time a bucket of larger batches measured there
+        (its slow mean correction times the start-up model at its mean batch, on at
+        least ``STALL_MIN_WEIGHT`` steps); None where none did. A step of fewer
+        requests at the same budget does no more work, so this bounds bucket ``i``'s
+        estimate. A bucket that sees only a few steps (the end of a wave or of a run
+        draining 4 -> 3 -> 2 -> 1, the steps where requests finish and their output is
+        processed) measured budget 0 up to its cap, the smallest drafting budget's
+        estimate (:meth:`_cost_cap`); the isotonic fit then priced no drafting like
+        drafting, and any acceptance at all turned drafting on there (at T = 1 on the
+        benchmark pair: 2-3 requests drafting at 2.3x the step time of budget 0, for
+        an accepted 0.3 tokens a step)."""
+        out: list[float | None] = [None] * len(self.levels)
+        now = self._step
+        for other in self._buckets[i + 1:]:
+            if other.steps == 0 or other.batch_w <= 0:
+                continue
+            models = None
+            for li, cell in enumerate(other.cost):
+                if cell.weights(now, self.half_life, self.shape_half_life)[1] < STALL_MIN_WEIGHT:
+                    continue
+                if models is None:
+                    n = int(round(other.batch_sum / other.batch_w))
+                    models = self._model_levels(min(max(n, 1), self.max_batch_size))
+                value = cell.slow_mean() * models[li]
+                if out[li] is None or value < out[li]:
+                    out[li] = value
+        return out
+
     def _estimate(self, i: int) -> dict:
         bk = self._buckets[i]
         lv = self.levels
@@ -998,7 +1029,11 @@ class BudgetController:
                                                        first_alone=True))
         corr, corr_w = found if found is not None else ([1.0] * len(lv),
                                                         [self.prior_weight] * len(lv))
-        step_ms = isotonic_non_decreasing([m * c for m, c in zip(model, corr)], corr_w)
+        values = [m * c for m, c in zip(model, corr)]
+        for li, bound in enumerate(self._larger_batch_bounds(i)):
+            if bound is not None and bound < values[li]:
+                values[li] = bound
+        step_ms = isotonic_non_decreasing(values, corr_w)
         # A lower bound for turning drafting on: a budget accepts at least what the
         # largest smaller budget measured recently did (its raw fast mean), nothing
         # inferred. Extrapolating a short probe of a small tree to large ones would

@@ -850,3 +850,54 @@ def test_a_lasting_change_of_pace_is_followed_despite_the_stall_cap(monkeypatch)
     monkeypatch.setattr(budget_controller, "STALL_FACTOR", math.inf)
     _, uncapped = _followed(128)
     assert capped > 6 * before and capped > 0.9 * uncapped
+
+
+class DrainEngine(Engine):
+    """Engine whose steps at fewer than ``full`` requests without drafts take ``slow``
+    times their cost: the end of a run draining 4 -> 3 -> 2, where requests finish
+    and their output is processed in the steps that decode without drafts."""
+
+    def __init__(self, *args, full: int, slow: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.full, self.slow = full, slow
+
+    def step(self, n: int, quality: float = 1.0) -> int:
+        b = super().step(n, quality)
+        s = self.pending
+        if n < self.full and s.budget == 0:
+            self.pending = StepStats(s.batch_size, 0, s.step_ms * self.slow,
+                                     drafted_budget=s.drafted_budget)
+        return b
+
+
+def _drain_runs(ctl: BudgetController, seed: int, quality: float) -> DrainEngine:
+    eng = DrainEngine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True,
+                      full=4, slow=1.8)
+    for _ in range(12):
+        eng.run(400, 4, quality)
+        for n in (3, 2):
+            eng.run(40, n, quality)  # past the home window: the range 2-3 decides
+    return eng
+
+
+@pytest.mark.parametrize("seed", [41, 42, 43])
+def test_a_bucket_that_sees_only_a_drain_is_priced_by_the_larger_batches(seed, monkeypatch):
+    # Drafting loses at batch 2-4 at this acceptance (T = 1 on a small target).
+    q = 0.35
+    for n in (2, 3, 4):
+        best_on = max(tokens_per_s(n, b, HOST_BOUND_TRUE, q) for b in LEVELS[1:])
+        assert tokens_per_s(n, 0, HOST_BOUND_TRUE, q) > 1.15 * best_on
+    eng = _drain_runs(controller(cost=HOST_BOUND_MODEL), seed, q)
+    drain = [b for n, b in eng.trace[2000:] if n < 4]
+    st = eng.ctl.state()["buckets"]
+    assert st["4-7"]["choice"] == 0 and st["2-3"]["choice"] == 0
+    # The range 2-3 prices budget 0 below drafting (by the batch of 4's measurement).
+    assert st["2-3"]["step_ms"]["0"] < 0.8 * st["2-3"]["step_ms"]["4"]
+    assert sum(1 for b in drain if b) <= 0.1 * len(drain)
+    # Without the bound, that range priced budget 0 like its smallest drafting budget
+    # and drafted through the drains.
+    monkeypatch.setattr(BudgetController, "_larger_batch_bounds",
+                        lambda self, i: [None] * len(self.levels))
+    old = _drain_runs(controller(cost=HOST_BOUND_MODEL), seed, q)
+    old_drain = [b for n, b in old.trace[2000:] if n < 4]
+    assert sum(1 for b in old_drain if b) > 0.3 * len(old_drain)
