@@ -987,7 +987,7 @@ class BudgetController:
         processed) measured budget 0 up to its cap, the smallest drafting budget's
         estimate (:meth:`_cost_cap`); the isotonic fit then priced no drafting like
         drafting, and any acceptance at all turned drafting on there (at T = 1 on the
-        benchmark pair: 2-3 requests drafting at 2.3x the step time of budget 0, for
+        benchmark pair: 2-3 requests drafting at 2.2x the step time of budget 0, for
         an accepted 0.3 tokens a step)."""
         out: list[float | None] = [None] * len(self.levels)
         now = self._step
