@@ -13,6 +13,12 @@ carry each step) is timed too.
 git revision REV behind the same ``OnlineBudget``, the two taken in turns (A B, B A,
 ...) for ``--rounds`` rounds, and reports each cell's median of the paired ratios this
 tree / REV: this machine's pace drifts by more than a change of the controller moves it.
+
+``--same-decisions N`` (with ``--baseline``) first feeds N random traces (batch sizes
+that change, acceptance that drifts, stalls, steps that prefill) to this tree's
+controller and REV's, each step's budget read from each one's own table, and counts
+the steps where their budgets, their answers to ``observe`` or their ``state()``
+differ: a rewrite meant to be exact (the same decisions, faster) shows 0.
 """
 
 from __future__ import annotations
@@ -123,6 +129,56 @@ def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds:
             for (n, b), m in means.items()]
 
 
+def same_decisions(tree_cls, baseline_cls, traces: int, steps: int) -> dict:
+    """Steps where ``tree_cls`` and ``baseline_cls`` (two ``BudgetController``
+    classes) fed the same random traces decided differently: a budget, ``observe``'s
+    answer, or (every 250 steps and at the end) the whole ``state()``."""
+    from vllm_ddtree.budget_controller import StartupCost, StepStats
+
+    def forward(t: int) -> float:
+        return 1.0 + 0.004 * max(0, t - 128)
+
+    true_cost = StartupCost(target_forward_ms=forward, drafter_ms=lambda n: 0.6 + 0.01 * n,
+                            tree_ms_per_step=0.3, tree_ms_per_node=0.001, host_ms=1.2)
+    models = [true_cost, StartupCost(target_forward_ms=1.0, drafter_ms=0.05)]
+    differing, total = 0, 0
+    for seed in range(traces):
+        rng = random.Random(seed)
+        model = models[seed % len(models)]
+        a = tree_cls(64, 15, model, max_batch_size=256)
+        b = baseline_cls(64, 15, model, max_batch_size=256)
+        n, quality = rng.choice([1, 4, 16, 64]), rng.random()
+        for t in range(steps):
+            if rng.random() < 0.01:
+                n = rng.choice([1, 2, 3, 4, 6, 8, 15, 16, 31, 64, 100, 200])
+            if rng.random() < 0.002:
+                quality = rng.random()
+            budget = a.budget_for(n)
+            total += 1
+            if budget != b.budget_for(n):
+                differing += 1
+                break
+            depths = []
+            for _ in range(n if budget else 0):
+                d = 0
+                while d < min(budget, 15) and rng.random() < 0.9 * quality:
+                    d += 1
+                depths.append(d)
+            ms = true_cost(n, budget) * (1.0 + 0.3 * (2 * rng.random() - 1))
+            if rng.random() < 0.01:
+                ms *= 20.0  # a stall
+            stats = StepStats(n, budget, ms, accepted_depths=depths if budget else None,
+                              prefill_tokens=5 if rng.random() < 0.03 else 0,
+                              drafted_budget=budget)
+            if a.observe(stats) != b.observe(stats) or (
+                    t % 250 == 0 or t == steps - 1) and json.dumps(
+                    a.state(), sort_keys=True) != json.dumps(b.state(), sort_keys=True):
+                differing += 1
+                break
+    return {"traces": traces, "steps_per_trace": steps, "steps_compared": total,
+            "traces_that_differed": differing}
+
+
 def paired_ratios(tree: list[float], baseline: list[float]) -> dict:
     """Round by round this tree's figure over the baseline's, and their median."""
     ratios = [t / base for t, base in zip(tree, baseline)]
@@ -138,8 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[0, 8, 64])
     ap.add_argument("--baseline", help="git revision whose controller to time against, in turns")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of turns with --baseline")
+    ap.add_argument("--same-decisions", type=int, default=0, metavar="TRACES",
+                    help="with --baseline: first compare the two controllers' decisions "
+                         "on this many random traces of --steps steps")
     args = ap.parse_args(argv)
+    if args.same_decisions and not args.baseline:
+        ap.error("--same-decisions needs --baseline")
     cells = [(n, b) for n in args.batch_sizes for b in args.budgets]
+    decisions = None
+    if args.same_decisions:
+        from vllm_ddtree.budget_controller import BudgetController
+        decisions = same_decisions(BudgetController, controller_at(args.baseline),
+                                   args.same_decisions, args.steps)
+        print(json.dumps(decisions))
     if args.baseline:
         rows = compare(args.baseline, cells, args.steps, args.rounds)
     else:
@@ -152,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                    + (f", this tree's controller against {args.baseline}'s in turns"
                       if args.baseline else ""),
            "rows": rows}
+    if decisions is not None:
+        doc["same_decisions"] = decisions
     write_result(args.out, doc)
     return 0
 

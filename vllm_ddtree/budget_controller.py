@@ -620,8 +620,11 @@ class BudgetController:
 
     def _recent_mean(self, cell: _Cell, now: int, min_weight: float) -> float | None:
         """The cell's fast mean when its decayed fast weight is at least
-        ``min_weight``, else None."""
-        if cell.weights(now, self.half_life, self.shape_half_life)[0] < min_weight:
+        ``min_weight``, else None. (Decay only lowers a weight, so a cell whose weight
+        at its last sample is below ``min_weight`` is None without the decay: the
+        budget-0 step's cap reads every drafting level's cell each step.)"""
+        if cell.fast_w < min_weight or \
+                cell.fast_w * 0.5 ** ((now - cell.step) / self.half_life) < min_weight:
             return None
         return cell.fast_mean()
 
@@ -895,7 +898,7 @@ class BudgetController:
         if not anchors:
             return None
 
-        def proxy(i: int) -> int | None:
+        def nearest_slow(i: int) -> int | None:
             """The nearest level with slow statistics (the smaller on a tie)."""
             if sw[i] >= MIN_WEIGHT:
                 return i
@@ -906,8 +909,11 @@ class BudgetController:
                         return m
             return None
 
+        # Once per level: ratio() asks for it for every pair of levels.
+        proxies = [nearest_slow(i) for i in range(len(cells))]
+
         def ratio(i: int, j: int) -> float:
-            p = proxy(i)
+            p = proxies[i]
             if p is not None and p != i and p != j:
                 # i's shape from its nearest measured neighbour p: E(i)/E(j) =
                 # E(p)/E(j) * prior(i)/prior(p).

@@ -1285,6 +1285,34 @@ def test_online_budget_host_times_a_baseline_controller_in_turns(tmp_path):
     assert online_budget.BudgetController is budget_controller.BudgetController
 
 
+def test_same_decisions_counts_traces_where_two_controllers_differ(tmp_path):
+    """``--same-decisions``: the tree's controller against itself differs nowhere; one
+    with another switching margin differs in some trace; the count reaches the file."""
+    import subprocess
+
+    from bench import online_budget_host as H
+    from vllm_ddtree.budget_controller import BudgetController
+
+    class WiderMargin(BudgetController):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, margin=0.3, **kwargs)
+
+    same = H.same_decisions(BudgetController, BudgetController, traces=3, steps=600)
+    assert same == {"traces": 3, "steps_per_trace": 600, "steps_compared": 1800,
+                    "traces_that_differed": 0}
+    other = H.same_decisions(BudgetController, WiderMargin, traces=3, steps=600)
+    assert other["traces_that_differed"] > 0 and other["steps_compared"] < 1800
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "host.json"
+    assert H.main(["--out", str(out), "--steps", "40", "--batch-sizes", "1", "--budgets", "0",
+                   "--baseline", "HEAD", "--rounds", "1", "--same-decisions", "2"]) == 0
+    assert json.loads(out.read_text())["same_decisions"]["traces"] == 2
+    with pytest.raises(SystemExit):
+        H.main(["--out", str(out), "--same-decisions", "2"])
+
+
 def test_budget0_host_times_this_tree_against_a_baseline_in_turns(tmp_path):
     """``bench/budget0_host.py --baseline REV`` loads REV's deferral buffer and verifier
     from git and times a budget-0 step's host work of both on the runner's kind of
