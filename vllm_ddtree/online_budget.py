@@ -12,7 +12,9 @@ Patch ``core_ddtree-online-budget`` adds three calls into vLLM:
   output: batch size, the budget the step verified, each tree-verifying request's
   accepted depth (sampled tokens - 1, what vLLM's own spec-decode counters read) and
   the step's wall time (the interval since the previous output: with asynchronous
-  scheduling, the engine's period per step). Nothing waits on the GPU: the output
+  scheduling, the engine's period per step; an interval longer than ``MAX_STEP_MS`` or
+  shorter than ``MIN_STEP_FORWARD_SHARE`` of the target's forward at that batch is no
+  step's, and feeds acceptance only). Nothing waits on the GPU: the output
   is what the engine core receives anyway, one step after it was scheduled.
 * the V2 runner's CUDA graph manager captures target decode graphs for every level
   the controller may choose (:func:`graph_budget_levels`), so a change of budget
@@ -63,6 +65,14 @@ logger = logging.getLogger("vllm.ddtree")
 # A step whose interval since the previous output is longer than this is not a decode
 # step's time (the engine was idle, or waited for requests): it feeds acceptance only.
 MAX_STEP_MS = 1000.0
+# ... and one shorter than this share of the target's forward at the step's batch (its
+# GPU time measured at start-up) is not one either: a step cannot end sooner than its
+# forward does, so such an interval is two outputs handled back to back (at the end of
+# a wave, after a stall), which fed the buckets there step times far below any step's
+# (0.48 ms at batch 1 on the benchmark pair, whose steps take ~1.5 ms and whose
+# forward measured 1.03 ms). The share leaves room for a forward that runs faster while
+# serving than when it was measured.
+MIN_STEP_FORWARD_SHARE = 0.7
 # Seconds between two log lines about the controller (each change of the table is
 # logged, at most this often).
 LOG_INTERVAL_S = 10.0
@@ -187,6 +197,11 @@ class OnlineBudget:
             verified_cap = min(verified_cap, graphs) if verified_cap else graphs
         self.max_num_seqs = int(max_num_seqs)
         cost = startup_cost(vllm_config, forward_ms)
+        # The shortest interval that counts as a step, by batch size (none without a
+        # start-up measurement: the fallback curve is no time).
+        self._min_step_ms = [0.0] + [
+            MIN_STEP_FORWARD_SHARE * curve_value(forward_ms, n) if forward_ms else 0.0
+            for n in range(1, self.max_num_seqs + 1)]
         self.controllers = {
             c: BudgetController(
                 self.max_budget, self.max_depth, cost,
@@ -286,15 +301,16 @@ class OnlineBudget:
             for k in range(cap - 1, -1, -1):
                 counts[k] += counts[k + 1]
             hits = counts[:cap + 1]
+        batch = min(len(num_scheduled), self.max_num_seqs)
         step_ms = (now - last) * 1e3 if last is not None else math.nan
-        if not (0 < step_ms <= MAX_STEP_MS):
+        if not (0 < step_ms <= MAX_STEP_MS) or step_ms < self._min_step_ms[batch]:
             prefill = max(prefill, 1)  # not a decode step's time: acceptance only
             step_ms = 1.0
         # What this step drafted for the next (the scheduler's decision for it): a step
         # between two budgets costs part of each.
         drafted = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         stats = StepStats(
-            batch_size=min(len(num_scheduled), self.max_num_seqs), budget=budget,
+            batch_size=batch, budget=budget,
             step_ms=step_ms, depth_hits=hits, prefill_tokens=prefill,
             drafted_budget=None if drafted is None else self._level(int(drafted)))
         self.steps_observed += 1

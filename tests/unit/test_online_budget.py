@@ -287,6 +287,32 @@ def test_observe_reads_the_step_and_skips_what_is_not_a_decode_step(models, h200
     assert first.drafted_budget is None  # an output without num_spec_tokens_to_schedule
 
 
+def test_an_interval_shorter_than_the_forward_is_not_a_step(models, h200):
+    """Two outputs handled back to back (a wave's end, after a stall) are closer than
+    any step can be: below 0.7x the target's forward measured at start-up for the
+    step's batch, the interval feeds acceptance only. Without a measurement (the
+    fallback curve) nothing is below a floor."""
+    from vllm_ddtree.online_budget import MIN_STEP_FORWARD_SHARE, OnlineBudget
+
+    forward = {1: 1.0, 4: 1.2, 64: 2.0}
+    for measured in (forward, None):
+        seen = []
+        ob = OnlineBudget(_config(models), None, 16, forward_ms=measured, clock=Clock())
+        ob.controller.observe = lambda stats: seen.append(stats) or False
+        for gap_ms, reqs in ((2.0, "a"), (0.5, "a"), (1.5, "a"), (0.72, "a"), (0.9, "abcd"),
+                             (0.8, "abcd")):
+            ob._clock.t += gap_ms / 1e3
+            ob.observe(_so(dict.fromkeys(reqs, 1), {}), _mro({r: [1] for r in reqs}))
+        timed = [round(x.step_ms, 6) for x in seen if x.prefill_tokens == 0]
+        if measured:
+            # 1 request: floor 0.7 ms; 4 requests: 0.7 x 1.2 = 0.84 ms.
+            assert MIN_STEP_FORWARD_SHARE == 0.7
+            assert timed == [1.5, 0.72, 0.9]
+        else:
+            assert timed == [0.5, 1.5, 0.72, 0.9, 0.8]
+        assert seen[0].prefill_tokens > 0  # no previous output: no interval
+
+
 def test_observe_marks_steps_that_drafted_another_budget(models, h200):
     """The budget a step drafts is the scheduler's num_spec_tokens_to_schedule (at a
     level: 5 drafts are a budget-4 tree); the controller keeps such steps out of the
