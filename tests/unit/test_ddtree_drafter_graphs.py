@@ -2,7 +2,7 @@
 
 On the H200, ``ddtree_tokens_per_step`` (budget 64, depth 15) failed at graph
 capture (``InputBatch.make_dummy``: ``assert 0 < num_reqs <= num_tokens``;
-bench/results/gpu-ddtree-tokens-per-step-graphs-failure.log): vLLM derives one query
+``git show 3806e72:bench/results/gpu-ddtree-tokens-per-step-graphs-failure.log``): vLLM derives one query
 length per scheduled budget as ``budget + decode_query_len - num_speculative_tokens``,
 which for DDTree's drafter (query 1 + depth, not 1 + budget) goes negative.
 """
