@@ -624,7 +624,7 @@ class BudgetController:
         at its last sample is below ``min_weight`` is None without the decay: the
         budget-0 step's cap reads every drafting level's cell each step.)"""
         if cell.fast_w < min_weight or \
-                cell.fast_w * 0.5 ** ((now - cell.step) / self.half_life) < min_weight:
+                cell.weights(now, self.half_life, self.shape_half_life)[0] < min_weight:
             return None
         return cell.fast_mean()
 
