@@ -326,6 +326,10 @@ class _Bucket:
         self.left: int | None = None
         self.left_at = 0
 
+    def mean_batch(self) -> float | None:
+        """The bucket's decayed mean batch size; None before its first step."""
+        return self.batch_sum / self.batch_w if self.batch_w > 0 else None
+
 
 class BudgetController:
     """Chooses each step's tree budget per batch-size bucket (module docstring).
@@ -426,6 +430,9 @@ class BudgetController:
         self._step = 0
         self.version = 0
         self._model_cache: dict[int, list[float]] = {}
+        # _larger_batch_bounds' table and the step it was built at (None: stale).
+        self._bounds: list[list[float | None]] = []
+        self._bounds_step: int | None = None
         self._buckets: list[_Bucket] = []
         for i in range(self.max_batch_size.bit_length()):
             lo, hi = 1 << i, min((1 << (i + 1)) - 1, self.max_batch_size)
@@ -563,6 +570,7 @@ class BudgetController:
             if cap is not None:
                 step_ms = min(step_ms, cap)
             bk.cost[li].add(now, step_ms / model, 1.0, self.half_life, self.shape_half_life)
+            self._bounds_step = None
         bk.since_switch += 1
         bk.dirty = True
         if bk.probing is not None:
@@ -788,7 +796,8 @@ class BudgetController:
         """Steps a probe of ``target`` verifies it (the shortest probe that ends)."""
         if target == 0:
             return self.probe_steps
-        n = max(1, int(bk.batch_sum / bk.batch_w) if bk.batch_w > 0 else bk.lo)
+        mean = bk.mean_batch()
+        n = max(1, int(mean) if mean is not None else bk.lo)
         return max(self.probe_steps, -(-self.probe_requests // n))
 
     def probe_spacing(self, bk: _Bucket, target: int, est: dict, parts: int = 1) -> int:
@@ -995,31 +1004,44 @@ class BudgetController:
         drafting, and any acceptance at all turned drafting on there (at T = 1 on the
         benchmark pair: 2-3 requests drafting at 2.2x the step time of budget 0, for
         an accepted 0.3 tokens a step)."""
-        out: list[float | None] = [None] * len(self.levels)
         now = self._step
-        for other in self._buckets[i + 1:]:
-            if other.steps == 0 or other.batch_w <= 0:
-                continue
-            models = None
-            for li, cell in enumerate(other.cost):
-                if cell.weights(now, self.half_life, self.shape_half_life)[1] < STALL_MIN_WEIGHT:
+        if self._bounds_step != now:
+            # Built once per step for every bucket (a suffix minimum from the largest
+            # range down): the refreshes of one step see the same statistics.
+            levels = len(self.levels)
+            run: list[float | None] = [None] * levels
+            table = []
+            for other in reversed(self._buckets):
+                table.append(list(run))
+                mean = other.mean_batch()
+                if other.steps == 0 or mean is None:
                     continue
-                if models is None:
-                    n = int(round(other.batch_sum / other.batch_w))
-                    models = self._model_levels(min(max(n, 1), self.max_batch_size))
-                value = cell.slow_mean() * models[li]
-                if out[li] is None or value < out[li]:
-                    out[li] = value
-        return out
+                models = None
+                for li, cell in enumerate(other.cost):
+                    if cell.weights(now, self.half_life,
+                                    self.shape_half_life)[1] < STALL_MIN_WEIGHT:
+                        continue
+                    if models is None:
+                        models = self._model_levels(self._model_batch(other))
+                    value = cell.slow_mean() * models[li]
+                    if run[li] is None or value < run[li]:
+                        run[li] = value
+            table.reverse()
+            self._bounds, self._bounds_step = table, now
+        return self._bounds[i]
+
+    def _model_batch(self, bk: _Bucket) -> int:
+        """The batch size the start-up model prices the bucket at: its mean batch
+        rounded (the middle of its range before its first step), within its range."""
+        mean = bk.mean_batch()
+        rep = mean if mean is not None else math.sqrt(bk.lo * bk.hi)
+        return min(max(int(round(rep)), bk.lo), bk.hi)
 
     def _estimate(self, i: int) -> dict:
         bk = self._buckets[i]
         lv = self.levels
-        if bk.batch_w > 0:
-            n_rep = bk.batch_sum / bk.batch_w
-        else:
-            n_rep = math.sqrt(bk.lo * bk.hi)
-        n_int = min(max(int(round(n_rep)), bk.lo), bk.hi)
+        mean = bk.mean_batch()
+        n_rep = mean if mean is not None else math.sqrt(bk.lo * bk.hi)
         # Acceptance, budgets > 0 (index 0 of the cells is budget 0, unused).
         prior = [0.0] + [max(0.0, curve_value(self.prior_accepted, b)) for b in lv[1:]]
         found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:], True))
@@ -1030,7 +1052,7 @@ class BudgetController:
         acc = [0.0] + [min(v, float(min(b, self.max_depth)))
                        for v, b in zip(isotonic_non_decreasing(acc_v, acc_w), lv[1:])]
         # Step time: the start-up model times a correction.
-        model = self._model_levels(n_int)
+        model = self._model_levels(self._model_batch(bk))
         found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv),
                                                        first_alone=True))
         corr, corr_w = found if found is not None else ([1.0] * len(lv),
