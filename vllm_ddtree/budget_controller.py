@@ -430,8 +430,10 @@ class BudgetController:
         self._step = 0
         self.version = 0
         self._model_cache: dict[int, list[float]] = {}
-        # _larger_batch_bounds' table and the step it was built at (None: stale).
-        self._bounds: list[list[float | None]] = []
+        # _larger_batch_bounds' table (per bucket; filled from the largest range
+        # down to _bounds_lo) and the step it was built at (None: stale).
+        self._bounds: list[list[float | None] | None] = []
+        self._bounds_lo = 0
         self._bounds_step: int | None = None
         self._buckets: list[_Bucket] = []
         for i in range(self.max_batch_size.bit_length()):
@@ -1006,16 +1008,17 @@ class BudgetController:
         an accepted 0.3 tokens a step)."""
         now = self._step
         if self._bounds_step != now:
-            # Built once per step for every bucket (a suffix minimum from the largest
-            # range down): the refreshes of one step see the same statistics.
-            levels = len(self.levels)
-            run: list[float | None] = [None] * levels
-            table = []
-            for other in reversed(self._buckets):
-                table.append(list(run))
-                mean = other.mean_batch()
-                if other.steps == 0 or mean is None:
-                    continue
+            # Built once a step, from the largest range down as far as a refresh
+            # asks (a suffix minimum): the refreshes of one step see the same
+            # statistics.
+            top = len(self._buckets) - 1
+            self._bounds = [None] * top + [[None] * len(self.levels)]
+            self._bounds_lo, self._bounds_step = top, now
+        while self._bounds_lo > i:
+            k = self._bounds_lo
+            run = list(self._bounds[k])
+            other = self._buckets[k]
+            if other.steps > 0 and other.mean_batch() is not None:
                 models = None
                 for li, cell in enumerate(other.cost):
                     if cell.weights(now, self.half_life,
@@ -1026,8 +1029,7 @@ class BudgetController:
                     value = cell.slow_mean() * models[li]
                     if run[li] is None or value < run[li]:
                         run[li] = value
-            table.reverse()
-            self._bounds, self._bounds_step = table, now
+            self._bounds[k - 1], self._bounds_lo = run, k - 1
         return self._bounds[i]
 
     def _model_batch(self, bk: _Bucket) -> int:
