@@ -22,6 +22,7 @@
 #                                      # BENCH_CONFIGS, BENCH_BATCH_SIZES pick engines and sizes;
 #                                      # BENCH_REPEATS, BENCH_MIN_REQUESTS fight the noise;
 #                                      # BENCH_ENGINE_ROUNDS starts every engine N times
+#   bash bench/gpu_session.sh context-graphs  # the context store graphs' GPU tests (also in checks)
 #   bash bench/gpu_session.sh online   # greedy equivalence with the online budget switching
 #   bash bench/gpu_session.sh goals    # plain / chain / DDTree on the held-out sharegpt-untrained
 #                                      # set (GOALS_CONFIGS order, GOALS_TAG names the run;
@@ -147,6 +148,14 @@ FUSED_TESTS="tests/unit/test_tree_walk_fused.py tests/unit/test_tree_bias_fused.
   tests/unit/test_tree_store_fused.py tests/unit/test_speculator_compaction.py
   tests/unit/test_tree_sampler.py"
 
+# The drafter context store's CUDA graphs, GPU tests: a replayed store (the speculator's
+# own, and the deferred context's flush copied into its buffers) equals the eager one.
+context_graph_tests() {
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_context_store_graphs.py \
+    > "$OUT/gpu-context-store-graph-tests.log" 2>&1
+  echo "context-store graph tests rc=$?"; tail -2 "$OUT/gpu-context-store-graph-tests.log"
+}
+
 # The fused kernels' GPU tests (through the direct launcher, the default); a failure
 # switches later steps to the unfused paths. Then the same tests again through Triton's
 # own launch path (VLLM_DDTREE_DIRECT_LAUNCH=0): reported, deciding nothing later.
@@ -210,6 +219,7 @@ case "$step" in
   checks)
     prepare
     fused_tests
+    context_graph_tests
     if [ "${CHECKS_ALGOS:-1}" != 0 ]; then
       timeout 150 python3 bench/bench_algorithms.py --layers 30 --hidden 576 > "$OUT/gpu-bench-algorithms.log" 2>&1
       echo "algos rc=$?"; tail -17 "$OUT/gpu-bench-algorithms.log"
@@ -227,6 +237,9 @@ case "$step" in
       ${BENCH_REPEATS:+--repeats $BENCH_REPEATS} ${BENCH_MIN_REQUESTS:+--min-requests $BENCH_MIN_REQUESTS} \
       ${BENCH_ENGINE_ROUNDS:+--engine-rounds $BENCH_ENGINE_ROUNDS} \
       --time-budget-s "${BENCH_BUDGET_S:-500}" --engine-estimate-s 70
+    ;;
+  context-graphs)
+    context_graph_tests
     ;;
   online)
     # The online budget on the GPU: greedy float32 equivalence with the controller

@@ -163,6 +163,37 @@ class ContextStoreGraphs:
             for s, r in zip(slots, self.slot_rows)
         )
 
+    def store_copy(self, states: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """``store_fn(states, positions, slots)`` for tensors that are not the
+        captured buffers (the deferred context's flush, :mod:`vllm_ddtree.deferred_context`):
+        copied into the buffers first (one copy per input and slot row) and stored by
+        one replay, instead of the store's kernels launched one by one. ``slots``
+        follows the store's contract (a tensor for a shared row, else one per entry of
+        ``slot_rows``; entries that share a row must be equal). Eager, on the caller's
+        tensors, where no graph holds them (a combining graph takes other inputs)."""
+        n = states.shape[0]
+        rows = [slots] if isinstance(slots, torch.Tensor) else list(slots)
+        if len(rows) != len(self.slot_rows) or (
+                isinstance(slots, torch.Tensor) == self.per_layer):
+            raise ValueError(f"{len(rows)} slot tensor(s) for the slot rows {self.slot_rows} "
+                             f"(per_layer={self.per_layer})")
+        size = (padded_graph_size(self.sizes, n)
+                if self.graphs and self._combine is None
+                and states.shape[1:] == self.states.shape[1:] else None)
+        if size is None:
+            self.num_eager += 1
+            self._store(states, positions, slots)
+            return
+        self.states[:n].copy_(states)
+        self.positions[:n].copy_(positions)
+        copied = set()
+        for row, src in zip(self.slot_rows, rows):
+            if row not in copied:
+                self.slot_mappings[row][:n].copy_(src)
+                copied.add(row)
+        self.replay(n)
+
     def __call__(self, context_states, context_positions, context_slot_mapping=None) -> None:
         if (self._combine is None and context_slot_mapping is not None
                 and self.reads_own_buffers(context_states, context_positions,

@@ -8,7 +8,8 @@ drafter's projection weights for a handful of tokens, the same cost at batch 1 a
 batch 64 (0.10-0.17 ms a step at Qwen3-8B's shape, ~3 % of a plain decoding step;
 docs/benchmarks.md). While drafting is off this module only copies the auxiliary states,
 positions and drafter slots of each step into a buffer, and stores them all in one pass
-(:meth:`DeferredContext.flush`) when the buffer is full, before any step that drafts,
+(:meth:`DeferredContext.flush`; the speculator's store replays its context-store graph,
+:meth:`vllm_ddtree.context_store_graphs.ContextStoreGraphs.store_copy`) when the buffer is full, before any step that drafts,
 verifies or prefills, and whenever the batch's requests change (a finished request's
 blocks may go to a new one: the stale entries are written before anything of the new
 request). The drafter's context is then the same as without deferral when drafting

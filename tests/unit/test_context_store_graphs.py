@@ -133,6 +133,38 @@ def test_a_combining_graph_is_never_a_drop_in_for_the_store():
     assert (graphs.num_eager, graphs.num_replays, drafter.calls) == (1, 0, 1)
 
 
+def test_a_copied_store_without_a_graph_runs_eagerly_on_the_callers_tensors():
+    """store_copy (the deferred context's flush) before capture, for a combining graph
+    and past the largest size: the caller's tensors go to the store, the buffers stay."""
+    hidden, positions, slots = _buffers("cpu", num_groups=2)
+    drafter = ToyDrafter(3, "cpu")
+    graphs = ContextStoreGraphs(drafter.store, hidden, positions, slots, [1, 0, 1], True, [4, 8])
+    states = torch.ones(3, HIDDEN)
+    mine = torch.tensor([5, 6, 7])
+    graphs.store_copy(states, torch.zeros(3, dtype=torch.int64), [mine, mine + 10, mine])
+    assert (drafter.calls, graphs.num_eager, graphs.num_replays) == (1, 1, 0)
+    assert torch.allclose(drafter.cache[1, 15:18], states @ drafter.weights[1])
+    assert hidden.abs().sum() == 0 and slots.abs().sum() == 0
+    combining = ContextStoreGraphs(drafter.store, hidden, positions, slots, [0], False, [8],
+                                   combine_fn=lambda x: x * 2)
+    combining.graphs[8] = None  # as if captured: its buffers take other inputs
+    combining.store_copy(states, torch.zeros(3, dtype=torch.int64), mine)
+    assert (combining.num_eager, combining.num_replays) == (1, 0)
+
+
+def test_a_copied_store_refuses_slots_that_do_not_match_the_rows():
+    hidden, positions, slots = _buffers("cpu", num_groups=2)
+    per_layer = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [1, 0, 1], True, [8])
+    shared = ContextStoreGraphs(lambda *a: None, hidden, positions, slots, [0], False, [8])
+    one = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="slot rows"):
+        per_layer.store_copy(hidden[:2].clone(), one, [one, one])
+    with pytest.raises(ValueError, match="slot rows"):
+        per_layer.store_copy(hidden[:2].clone(), one, one)
+    with pytest.raises(ValueError, match="slot rows"):
+        shared.store_copy(hidden[:2].clone(), one, [one])
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -193,3 +225,35 @@ def test_combining_graph_on_prepadded_slots_equals_the_eager_combine_and_store()
         torch.cuda.synchronize()
         assert torch.allclose(graphed.cache, eager.cache, atol=1e-5), f"n={n}"
     assert not graphs.replay(17)
+
+
+@CUDA
+@pytest.mark.parametrize("layer_group_idx", [None, [1, 0, 1]])
+def test_a_copied_store_equals_the_eager_store(layer_group_idx):
+    """The deferred context's flush: entries from buffers of its own, copied into the
+    captured buffers (whose rows past them hold stale slots) and stored by one replay,
+    write what the eager store writes; past the largest graph it runs eagerly."""
+    device = torch.device("cuda")
+    num_groups = 1 if layer_group_idx is None else 2
+    hidden, positions, slots = _buffers(device, num_groups)
+    graphed, eager = ToyDrafter(3, device), ToyDrafter(3, device)
+    rows = [0] if layer_group_idx is None else layer_group_idx
+    graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, rows,
+                                layer_group_idx is not None, [1, 2, 4, 8, 16, 32])
+    graphs.capture()
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    for step, n in enumerate([1, 3, 4, 7, 16, 20, 32, 40, 5]):
+        # The captured buffers hold another store's rows (stale, longer).
+        _random_step(gen, hidden, positions, slots, MAX_TOKENS, 100 + step, device,
+                     pad_rest=False)
+        states = torch.randn(n, HIDDEN, generator=gen).to(device)
+        pos = (torch.arange(n) + step).to(device)
+        own = [(torch.randperm(NUM_SLOTS // 2, generator=gen)[:n] + 128 * g).to(device)
+               for g in range(num_groups)]
+        arg = own[0] if layer_group_idx is None else [own[g] for g in layer_group_idx]
+        replays = graphs.num_replays
+        graphs.store_copy(states, pos, arg)
+        eager.store(states, pos, arg)
+        torch.cuda.synchronize()
+        assert graphs.num_replays == replays + (1 if n <= 32 else 0)
+        assert torch.allclose(graphed.cache, eager.cache, atol=1e-5), f"n={n}"

@@ -359,6 +359,7 @@ def _context_only_fake(monkeypatch, budget_by_batch):
     spec.context_positions = torch.arange(32)
     spec.hidden_states = torch.zeros(32, 5)
     spec._decode_context_graphs = None
+    spec._context_graphs = None
     # What prepare_dflash_inputs takes from the speculator (vllm_ddtree.pin_calls), each
     # field its own name; temperature, seeds and dcp_size only on vLLM 0.33.0.
     for name in ("input_buffers", "sample_indices", "sample_pos", "sample_idx_mapping",
@@ -643,6 +644,33 @@ def test_deferral_flushes_when_the_requests_change_or_the_buffer_fills(monkeypat
     _propose_deferring(spec, ["a", "d", "c"], 3)              # "b" left, "d" joined
     assert [c[0].shape[0] for c in calls["store"]] == [6, 3]
     assert spec._deferred.count == 3 and calls["super"] == 0
+
+
+def test_a_flush_goes_through_the_speculators_buffers_to_its_context_store_graph(monkeypatch):
+    """With the context-store graphs captured, a flush copies the entries (fc'd) into
+    the speculator's hidden states, context positions and slot row, where the graph of
+    the padded size stores them (its rows past the entries padded). On the CPU the
+    replay runs the captured function eagerly on the same buffers."""
+    from vllm_ddtree.context_store_graphs import PAD_SLOT_ID, ContextStoreGraphs
+
+    spec, calls = _deferring_fake(monkeypatch)
+    graphs = ContextStoreGraphs(spec.model.precompute_and_store_context_kv, spec.hidden_states,
+                                spec.context_positions, spec._context_slot_mappings, [0],
+                                False, [4, 8])
+    # What graph 8 would replay: the captured function on the buffers' first 8 rows.
+    graph = types.SimpleNamespace(replay=lambda: graphs._run(8))
+    graphs.graphs = {4: None, 8: graph}
+    spec._context_graphs = graphs
+    first = _propose_deferring(spec, ["a", "b", "c"], 3)
+    second = _propose_deferring(spec, ["a", "b", "c"], 3)
+    _propose_deferring(spec, ["a", "b"], 2)                  # drafting: flush first
+    assert (graphs.num_replays, graphs.num_eager) == (1, 0)
+    (h, pos, slots), = calls["store"][:1]
+    assert h.shape[0] == 8
+    assert torch.equal(h[:6], torch.cat([first, second])[:, :5])
+    assert torch.equal(pos[:6], torch.arange(40, 43).repeat(2))
+    assert torch.equal(slots, torch.tensor([100, 101, 102] * 2 + [PAD_SLOT_ID] * 2))
+    assert spec._deferred.count == 0
 
 
 def test_deferral_leaves_steps_that_are_not_one_token_per_request_to_the_store(monkeypatch):
