@@ -178,9 +178,9 @@ def _random_step(gen, hidden, positions, slots, n, step, device, pad_rest):
             slots[g, n:] = PAD_SLOT_ID
 
 
-@CUDA
-@pytest.mark.parametrize("layer_group_idx", [None, [1, 0, 1]])
-def test_replayed_store_equals_the_eager_store(layer_group_idx):
+def _captured(layer_group_idx):
+    """Graphs of a three-layer toy store over fresh buffers (sizes 1-32), and a toy of the
+    same weights to run eagerly beside them."""
     device = torch.device("cuda")
     num_groups = 1 if layer_group_idx is None else 2
     hidden, positions, slots = _buffers(device, num_groups)
@@ -189,6 +189,13 @@ def test_replayed_store_equals_the_eager_store(layer_group_idx):
     graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, rows,
                                 layer_group_idx is not None, [1, 2, 4, 8, 16, 32])
     graphs.capture()
+    return device, num_groups, (hidden, positions, slots), graphed, eager, graphs
+
+
+@CUDA
+@pytest.mark.parametrize("layer_group_idx", [None, [1, 0, 1]])
+def test_replayed_store_equals_the_eager_store(layer_group_idx):
+    device, _, (hidden, positions, slots), graphed, eager, graphs = _captured(layer_group_idx)
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32]
     assert graphed.cache.abs().sum().item() == 0, "capture wrote into the cache"
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -233,14 +240,8 @@ def test_a_copied_store_equals_the_eager_store(layer_group_idx):
     """The deferred context's flush: entries from buffers of its own, copied into the
     captured buffers (whose rows past them hold stale slots) and stored by one replay,
     write what the eager store writes; past the largest graph it runs eagerly."""
-    device = torch.device("cuda")
-    num_groups = 1 if layer_group_idx is None else 2
-    hidden, positions, slots = _buffers(device, num_groups)
-    graphed, eager = ToyDrafter(3, device), ToyDrafter(3, device)
-    rows = [0] if layer_group_idx is None else layer_group_idx
-    graphs = ContextStoreGraphs(graphed.store, hidden, positions, slots, rows,
-                                layer_group_idx is not None, [1, 2, 4, 8, 16, 32])
-    graphs.capture()
+    device, num_groups, (hidden, positions, slots), graphed, eager, graphs = _captured(
+        layer_group_idx)
     gen = torch.Generator(device="cpu").manual_seed(4)
     for step, n in enumerate([1, 3, 4, 7, 16, 20, 32, 40, 5]):
         # The captured buffers hold another store's rows (stale, longer).
