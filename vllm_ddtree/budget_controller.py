@@ -330,6 +330,12 @@ class _Bucket:
         """The bucket's decayed mean batch size; None before its first step."""
         return self.batch_sum / self.batch_w if self.batch_w > 0 else None
 
+    def typical_batch(self) -> float:
+        """The batch size the bucket's estimates are for: its mean batch, or the
+        middle of its range (geometric) before its first step."""
+        mean = self.mean_batch()
+        return mean if mean is not None else math.sqrt(self.lo * self.hi)
+
 
 class BudgetController:
     """Chooses each step's tree budget per batch-size bucket (module docstring).
@@ -1033,17 +1039,14 @@ class BudgetController:
         return self._bounds[i]
 
     def _model_batch(self, bk: _Bucket) -> int:
-        """The batch size the start-up model prices the bucket at: its mean batch
-        rounded (the middle of its range before its first step), within its range."""
-        mean = bk.mean_batch()
-        rep = mean if mean is not None else math.sqrt(bk.lo * bk.hi)
-        return min(max(int(round(rep)), bk.lo), bk.hi)
+        """The batch size the start-up model prices the bucket at: its typical batch
+        rounded, within its range."""
+        return min(max(int(round(bk.typical_batch())), bk.lo), bk.hi)
 
     def _estimate(self, i: int) -> dict:
         bk = self._buckets[i]
         lv = self.levels
-        mean = bk.mean_batch()
-        n_rep = mean if mean is not None else math.sqrt(bk.lo * bk.hi)
+        n_rep = bk.typical_batch()
         # Acceptance, budgets > 0 (index 0 of the cells is budget 0, unused).
         prior = [0.0] + [max(0.0, curve_value(self.prior_accepted, b)) for b in lv[1:]]
         found = self._nearest(i, lambda x: self._infer(x.acc[1:], prior[1:], True))
