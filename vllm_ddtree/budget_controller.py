@@ -82,14 +82,17 @@ list lookup (:meth:`BudgetController.budget_for`, :meth:`BudgetController.budget
 
 **Exploration.** A bucket that is off (budget 0) measures no acceptance, so it probes:
 after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at least
-``probe_steps`` (4) steps and ``probe_requests`` (64) tree-verifying requests, then
-decides with the new data. Drafting comes back on only on a measured lower bound (a
-budget accepts at least what a smaller one just measured), never on an extrapolation
-of a short probe, and only at a budget whose step time the bucket measured recently
-(a probe's, typically), never at one the start-up model alone prices. A bucket that
-drafts probes, in turn, budget 0 (what a step costs without drafting is what no
-drafting step's time tells: the drafter's share), and the
-next allowed budget above and below its choice (``probe_when_drafting``), so a
+``probe_steps`` (6) steps and ``probe_requests`` (64) tree-verifying requests, then
+decides with the new data. A probe whose acceptance so far cannot reach what its
+budget needs to pay, even ``PROBE_BOUND_Z`` standard errors up, ends after
+``probe_steps`` (:meth:`BudgetController._probe_cannot_pay`: at batch 1, where
+``probe_requests`` make a probe 64 steps long, one that cannot pay is over in ~10).
+Drafting comes back on only on a measured lower bound (a budget accepts at least what
+a smaller one just measured), never on an extrapolation of a short probe, and only at
+a budget whose step time the bucket measured recently (a probe's, typically), never at
+one the start-up model alone prices. A bucket that drafts probes, in turn, budget 0
+(what a step costs without drafting is what no drafting step's time tells: the
+drafter's share), and the next allowed budget above and below its choice (``probe_when_drafting``), so a
 pessimistic prior, a drift or an under-modelled drafter is corrected. A probe that
 changes nothing doubles the interval (from ``probe_interval_min`` = 32 up to
 ``probe_interval_max`` = 1024 of the bucket's steps); a change of choice resets it.
@@ -152,6 +155,12 @@ STALL_FACTOR = 4.0
 STALL_MIN_WEIGHT = 8.0
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
+# A probe that would turn drafting on ends early once the upper bound of its mean
+# accepted length, PROBE_BOUND_Z standard errors above the mean (the sample variance,
+# at least PROBE_VARIANCE_FLOOR: a few requests that all accepted nothing have none),
+# falls short of what its budget needs to pay (:meth:`BudgetController._probe_cannot_pay`).
+PROBE_BOUND_Z = 2.0
+PROBE_VARIANCE_FLOOR = 0.25
 
 
 def interpolate(points: Mapping[int, float], x: float) -> float:
@@ -297,7 +306,7 @@ class _Bucket:
     __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
                  "choice", "since_switch", "since_probe", "probe_interval", "probing",
                  "probe_done", "probe_requests", "probe_seen", "probe_turn", "probed_at",
-                 "dirty",
+                 "probe_acc", "probe_ms", "probes_cut", "dirty",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
                  "left_at")
 
@@ -316,6 +325,11 @@ class _Bucket:
         self.probe_done = self.probe_requests = self.probe_seen = 0
         self.probe_turn = 0  # while drafting: probe off, above, below in turn
         self.probed_at: dict[int, int] = {}  # budget -> the bucket's step its last probe began
+        # The running probe's accepted depths (sum, sum of squares) and timed steps
+        # (sum of ms, count); probes ended early because they could not pay.
+        self.probe_acc = [0.0, 0.0]
+        self.probe_ms = [0.0, 0]
+        self.probes_cut = 0
         self.dirty = False
         self.steps = self.switches = self.probes = 0
         self.estimate: dict | None = None
@@ -579,6 +593,9 @@ class BudgetController:
                 step_ms = min(step_ms, cap)
             bk.cost[li].add(now, step_ms / model, 1.0, self.half_life, self.shape_half_life)
             self._bounds_step = None
+            if bk.probing == b:
+                bk.probe_ms[0] += step_ms
+                bk.probe_ms[1] += 1
         bk.since_switch += 1
         bk.dirty = True
         if bk.probing is not None:
@@ -587,12 +604,19 @@ class BudgetController:
             bk.probe_seen += 1
             if b == bk.probing:
                 bk.probe_done += 1
-                bk.probe_requests += hits[0] if hits is not None else 0
+                if hits is not None:
+                    bk.probe_requests += hits[0]
+                    # An accepted depth a is the number of depths d >= 1 it reached,
+                    # and a^2 the sum of 2d - 1 over them.
+                    bk.probe_acc[0] += sum(hits[1:])
+                    bk.probe_acc[1] += sum((2 * d - 1) * h for d, h in enumerate(hits) if d)
             enough = bk.probe_done >= self.probe_steps and (
                 bk.probing == 0 or bk.probe_requests >= self.probe_requests)
-            if enough or bk.probe_seen >= 3 * max(self.probe_steps,
-                                                   -(-self.probe_requests // n)):
-                changed |= self._end_probe(i)
+            cut = not enough and self._probe_cannot_pay(bk)
+            if enough or cut or bk.probe_seen >= 3 * max(self.probe_steps,
+                                                          -(-self.probe_requests // n)):
+                bk.probes_cut += cut
+                changed |= self._end_probe(i, cut)
         else:
             bk.since_probe += 1
         if now % self.refresh_steps == 0:
@@ -729,6 +753,7 @@ class BudgetController:
             target = self._probe_target(bk, est)
             if target is not None:
                 bk.probing, bk.probe_done, bk.probe_requests, bk.probe_seen = target, 0, 0, 0
+                bk.probe_acc, bk.probe_ms = [0.0, 0.0], [0.0, 0]
                 bk.probes += 1
                 bk.probed_at[target] = bk.steps
                 return self._set(i, target)
@@ -857,16 +882,47 @@ class BudgetController:
                                                         self.shape_half_life)[1])
         return measured >= MIN_WEIGHT
 
-    def _end_probe(self, i: int) -> bool:
+    def _probe_cannot_pay(self, bk: _Bucket) -> bool:
+        """Whether a probe that would turn drafting on (the bucket is off) can stop
+        before ``probe_requests``: after ``probe_steps`` of its steps, the upper bound
+        of its mean accepted length (``PROBE_BOUND_Z`` standard errors above the mean)
+        is below what its budget ``p`` must accept to be chosen, ``(1 + margin) (1 +
+        drafting_margin) t_p / t_0 - 1``, with ``t_p`` the probe's own mean step time
+        (the estimate's before two of its steps were timed) and ``t_0`` the estimate's
+        step without drafts. Drafting comes back only on the lower bound of a budget
+        at least the probe's, whose steps take at least the probe's, so no budget
+        could have been chosen on the rest of the probe's data. At batch 1 a probe is
+        ``probe_requests`` (64) steps long; on the benchmark pair at T=1 (a drafting
+        step ~1.7x one without drafts, ~0.4 accepted against ~0.95 needed) it ends
+        after ~8-12."""
+        p, k = bk.probing, bk.probe_requests
+        est = bk.estimate
+        if (bk.choice != 0 or not p or k <= 0 or bk.probe_done < self.probe_steps
+                or est is None):
+            return False
+        mean = bk.probe_acc[0] / k
+        var = max(bk.probe_acc[1] / k - mean * mean, PROBE_VARIANCE_FLOOR)
+        upper = mean + PROBE_BOUND_Z * math.sqrt(var / k)
+        t0 = est["step_ms"][0]
+        tp = (bk.probe_ms[0] / bk.probe_ms[1] if bk.probe_ms[1] >= 2
+              else est["step_ms"][self._index[p]])
+        if not (t0 > 0 and tp > 0):
+            return False
+        need = ((1.0 + self.margin * bk.margin_scale) * (1.0 + self.drafting_margin)
+                * tp / t0 - 1.0)
+        return upper < need
+
+    def _end_probe(self, i: int, cut: bool = False) -> bool:
         """A probe's data is in: switch if the bucket's best now beats its choice by
         the margin (the probe interval starts again from its minimum), else double
-        the interval and go back to the choice."""
+        the interval and go back to the choice. A probe ``cut`` short
+        (:meth:`_probe_cannot_pay`) found that drafting does not pay: it stays off."""
         bk = self._buckets[i]
         bk.probing = None
         bk.dirty = False
         bk.since_probe = 0
         est = bk.estimate = self._estimate(i)
-        best = self._better(bk, est)
+        best = None if cut else self._better(bk, est)
         if best is not None:
             self._switch(bk, best)
             return self._set(i, best)
@@ -1070,12 +1126,18 @@ class BudgetController:
         # A lower bound for turning drafting on: a budget accepts at least what the
         # largest smaller budget measured recently did (its raw fast mean), nothing
         # inferred. Extrapolating a short probe of a small tree to large ones would
-        # turn drafting on from noise.
-        lower, run = [0.0], 0.0
+        # turn drafting on from noise. A measurement older than a smaller budget's
+        # latest is superseded by it: a probe of budget 4 that accepted nothing,
+        # 280 steps after budget 16 last accepted ~1, otherwise left 16's figure
+        # standing as the lower bound of every budget from 16 up, and drafting came
+        # back on at 32 from it.
+        lower, run, newest = [0.0], 0.0, -1
         for b, cell in zip(lv[1:], bk.acc[1:]):
             fw, _ = cell.weights(self._step, self.half_life, self.shape_half_life)
             if fw >= MIN_WEIGHT:
-                run = max(run, cell.fast_mean())
+                if cell.step >= newest:
+                    run = max(run, cell.fast_mean())
+                    newest = cell.step
             lower.append(min(run, float(min(b, self.max_depth))))
         allowed = self._allowed(bk)
         # ... and only to a budget whose step time this bucket measured recently: a
@@ -1133,6 +1195,7 @@ class BudgetController:
                 "steps": bk.steps,
                 "switches": bk.switches,
                 "probes": bk.probes,
+                "probes_cut": bk.probes_cut,
                 "mean_batch": round(est["batch"], 3),
                 "accepted": {str(b): round(a, 4) for b, a in zip(self.levels, est["accepted"])},
                 "accepted_measured": measured,

@@ -253,8 +253,56 @@ def test_exploration_share_holds_where_the_host_sets_the_pace(n):
     spent = sum(cost(m, b) for m, b in eng.trace[before:])
     plain = sum(cost(m, 0) for m, _ in eng.trace[before:])
     assert spent <= 1.013 * plain, (n, spent / plain)
-    # Still probing: a change of workload is noticed.
-    assert sum(1 for _, b in eng.trace[before:] if b) >= 64 * 4
+    # Still probing (a change of workload is noticed), each probe over after
+    # probe_steps (6) and the step that ends it: nothing was accepted.
+    lengths = probe_lengths([b for _, b in eng.trace[before:]])
+    assert len(lengths) >= 4
+    assert max(lengths) <= 7, lengths
+
+
+def probe_lengths(budgets: list[int]) -> list[int]:
+    """The lengths of the runs of drafting steps in a trace of budgets."""
+    runs, n = [], 0
+    for b in budgets + [0]:
+        if b:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_a_probe_that_cannot_pay_ends_early_and_one_that_pays_runs_its_length():
+    # Batch 1 where the host sets the pace: a drafting step costs ~1.7x one without
+    # drafts, so budget 4 must accept ~0.95 a step to be chosen. A probe is
+    # probe_requests (64) steps long at batch 1; at ~0.46 accepted (quality 0.5) a
+    # probe ends once its upper bound is below that, and off stays off at a fraction
+    # of the exploration cost; at ~1.45 (quality 1) probes run to their length and
+    # drafting comes back on.
+    cost = StartupCost(target_forward_ms=lambda t: 0.4 + 0.001 * t,
+                       drafter_ms=lambda m: 1.4 + 0.01 * m, context_store_ms=0.0,
+                       tree_ms_per_step=0.3, host_ms=2.0)
+    assert analytic_best(1, cost, quality=0.5) == 0
+    assert analytic_best(1, cost, quality=1.0) > 0
+    eng = Engine(controller(cost=cost), seed=5, cost=cost)
+    eng.run(400, 1, quality=0.0)
+    assert eng.ctl.choice_for(1) == 0
+    before = len(eng.trace)
+    eng.run(12000, 1, quality=0.5)
+    assert set(eng.choices[before:]) == {0}
+    lengths = probe_lengths([b for _, b in eng.trace[before:]])
+    assert len(lengths) >= 3
+    # Every probe ends well before 64 steps (the 64-step probes spent ~2.8 % of the
+    # time here).
+    assert max(lengths) <= 32, lengths
+    spent = sum(cost(m, b) for m, b in eng.trace[before:])
+    plain = sum(cost(m, 0) for m, _ in eng.trace[before:])
+    assert spent <= 1.006 * plain, spent / plain
+    assert eng.ctl.state()["buckets"]["1-1"]["probes_cut"] >= len(lengths)
+    # Acceptance recovers: a probe is not cut, and drafting resumes.
+    eng.run(6000, 1, quality=1.0)
+    assert eng.ctl.choice_for(1) > 0
+    assert max(probe_lengths([b for _, b in eng.trace[-6000:]])) >= 64
 
 
 def test_probe_spacing_max_bounds_the_intervals():
@@ -272,6 +320,11 @@ def test_comes_back_on_when_acceptance_recovers(off_steps):
     eng.run(1000, 4)
     eng.run(off_steps, 4, quality=0.0)
     assert ctl.budget_for(4) == 0 or ctl.state()["buckets"]["4-7"]["probing"]
+    # Off for good once off: budget 16's last probe before the collapse (~1 accepted)
+    # is older than budget 4's probes since (nothing accepted), so it is no lower
+    # bound for turning drafting on.
+    first_off = eng.choices[-off_steps:].index(0)
+    assert set(eng.choices[-off_steps + first_off:]) == {0}
     budgets = eng.run_choices(3000, 4)
     # On for good (drafting chosen at every later step) within the largest probe
     # interval, the probe itself (16 steps of batch 4 for 64 requests) and a few
