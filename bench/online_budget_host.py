@@ -52,20 +52,42 @@ def _config(budget: int, depth: int, max_num_seqs: int):
                                                  cudagraph_mode=None))
 
 
-def time_observe(batch: int, budget: int, steps: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
-    clock = types.SimpleNamespace(t=0.0)
-    ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
+def _step(batch: int, budget: int, rng: random.Random, variants: int = 16):
+    """A scheduler output of ``batch`` decoding requests verifying ``budget`` drafts,
+    and ``variants`` model-runner outputs accepting 0-3 of them."""
     ids = [f"req-{i}" for i in range(batch)]
     spec = {r: [-1] * budget for r in ids} if budget else {}
     so = types.SimpleNamespace(num_scheduled_tokens={r: 1 + budget for r in ids},
                                scheduled_spec_decode_tokens=spec,
                                total_num_scheduled_tokens=batch * (1 + budget))
     outs = []
-    for _ in range(16):
+    for _ in range(variants):
         sampled = [[1] * (1 + (min(rng.randrange(4), budget) if budget else 0)) for _ in ids]
         outs.append(types.SimpleNamespace(sampled_token_ids=sampled,
                                           req_id_to_index={r: i for i, r in enumerate(ids)}))
+    return so, outs
+
+
+# --measured-buckets: what a serving engine's controller holds after other traffic
+# (cells of a benchmark before this one): 300 steps at each of these batch sizes, at
+# these budgets in turn, before the timed ones.
+MEASURED_BATCHES = (64, 16, 4, 2)
+MEASURED_BUDGETS = (4, 0, 8, 0)
+
+
+def time_observe(batch: int, budget: int, steps: int, seed: int = 0,
+                 measured_buckets: bool = False) -> dict:
+    rng = random.Random(seed)
+    clock = types.SimpleNamespace(t=0.0)
+    ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
+    if measured_buckets:
+        for n in MEASURED_BATCHES:
+            for b in MEASURED_BUDGETS:
+                so, outs = _step(n, b, rng, 1)
+                for _ in range(300):
+                    clock.t += 0.003
+                    ob.observe(so, outs[0])
+    so, outs = _step(batch, budget, rng)
     per_call = []
     for i in range(steps):
         clock.t += 0.004
@@ -75,6 +97,7 @@ def time_observe(batch: int, budget: int, steps: int, seed: int = 0) -> dict:
         per_call.append((time.perf_counter() - t0) * 1e6)
     per_call.sort()
     return {"batch": batch, "budget": budget, "steps": steps,
+            "measured_buckets": measured_buckets,
             "us_p50": round(statistics.median(per_call), 2),
             "us_p90": round(per_call[int(0.9 * len(per_call))], 2),
             "us_mean": round(statistics.fmean(per_call), 2)}
@@ -106,7 +129,8 @@ def controller_at(rev: str):
                      "budget_controller_baseline").BudgetController
 
 
-def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds: int) -> list[dict]:
+def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds: int,
+            measured_buckets: bool = False) -> list[dict]:
     """This tree's controller against ``baseline_rev``'s, in turns; per cell the
     per-round means and the median of the paired ratios (this tree / baseline)."""
     from vllm_ddtree import online_budget
@@ -119,7 +143,9 @@ def compare(baseline_rev: str, cells: list[tuple[int, int]], steps: int, rounds:
             for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
                 online_budget.BudgetController = controllers[name]
                 for n, b in cells:
-                    means[(n, b)][name].append(time_observe(n, b, steps, seed=r)["us_mean"])
+                    means[(n, b)][name].append(
+                        time_observe(n, b, steps, seed=r,
+                                     measured_buckets=measured_buckets)["us_mean"])
     finally:
         online_budget.BudgetController = controllers["tree"]
     return [{"batch": n, "budget": b, "baseline": baseline_rev,
@@ -197,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same-decisions", type=int, default=0, metavar="TRACES",
                     help="with --baseline: first compare the two controllers' decisions "
                          "on this many random traces of --steps steps")
+    ap.add_argument("--measured-buckets", action="store_true",
+                    help="first feed 300 steps at each of batch 64, 16, 4 and 2 (budgets "
+                         "4, 0, 8, 0 in turn), so that other buckets hold measurements, as "
+                         "in an engine that served other traffic")
     args = ap.parse_args(argv)
     if args.same_decisions and not args.baseline:
         ap.error("--same-decisions needs --baseline")
@@ -208,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                                    args.same_decisions, args.steps)
         print(json.dumps(decisions))
     if args.baseline:
-        rows = compare(args.baseline, cells, args.steps, args.rounds)
+        rows = compare(args.baseline, cells, args.steps, args.rounds, args.measured_buckets)
     else:
-        rows = [time_observe(n, b, args.steps) for n, b in cells]
+        rows = [time_observe(n, b, args.steps, measured_buckets=args.measured_buckets)
+                for n, b in cells]
     doc = {"command": "python3 bench/online_budget_host.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "host": {"machine": platform.machine(), "processor": platform.processor(),

@@ -311,7 +311,7 @@ class _Bucket:
     __slots__ = ("lo", "hi", "acc", "cost", "batch_sum", "batch_w", "batch_step",
                  "choice", "since_switch", "since_probe", "probe_interval", "probing",
                  "probe_done", "probe_requests", "probe_seen", "probe_turn", "probed_at",
-                 "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at",
+                 "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at", "cap_from",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
                  "left_at")
 
@@ -339,6 +339,10 @@ class _Bucket:
         self.steps = self.switches = self.probes = 0
         self.estimate: dict | None = None
         self.estimated_at = 0  # the controller's step of the last estimate
+        # The smallest drafting level whose step-time cell may still be recent (the
+        # cells below it were not, and none of them was fed since): where the cap of
+        # a budget-0 step's time starts looking (BudgetController._cost_cap).
+        self.cap_from = 1
         # Damping: a switch back to the budget just left (within FLAP_WINDOW_STEPS of
         # the bucket's steps) doubles the margin this bucket needs, up to
         # MAX_MARGIN_SCALE times; a switch to any other budget resets it.
@@ -598,6 +602,8 @@ class BudgetController:
             if cap is not None:
                 step_ms = min(step_ms, cap)
             bk.cost[li].add(now, step_ms / model, 1.0, self.half_life, self.shape_half_life)
+            if li and li < bk.cap_from:
+                bk.cap_from = li
             self._bounds_step = None
             if bk.probing == b:
                 bk.probe_ms[0] += step_ms
@@ -657,11 +663,15 @@ class BudgetController:
         cap = None if own is None else STALL_FACTOR * own * models[li]
         if li != 0:
             return cap
-        for j in range(1, len(models)):
+        # A cell's weight only decays until it is fed again, so the levels below
+        # bk.cap_from, found too old at an earlier step and not fed since, still are.
+        for j in range(bk.cap_from, len(models)):
             mean = self._recent_mean(bk.cost[j], now, MIN_WEIGHT)
             if mean is not None:
+                bk.cap_from = j
                 above = mean * models[j]
                 return above if cap is None else min(above, cap)
+        bk.cap_from = len(models)
         return cap
 
     def _recent_mean(self, cell: _Cell, now: int, min_weight: float) -> float | None:

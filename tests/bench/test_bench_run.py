@@ -1313,6 +1313,16 @@ def test_same_decisions_counts_traces_where_two_controllers_differ(tmp_path):
         H.main(["--out", str(out), "--same-decisions", "2"])
 
 
+def test_online_budget_host_can_time_a_controller_with_measured_buckets():
+    """``--measured-buckets``: the timed steps run on a controller whose other buckets
+    hold measurements (as after other traffic), which the row says."""
+    from bench import online_budget_host as H
+
+    row = H.time_observe(1, 0, 50, measured_buckets=True)
+    assert row["measured_buckets"] is True and row["us_mean"] > 0
+    assert H.time_observe(1, 0, 20)["measured_buckets"] is False
+
+
 def test_budget0_host_times_this_tree_against_a_baseline_in_turns(tmp_path):
     """``bench/budget0_host.py --baseline REV`` loads REV's deferral buffer and verifier
     from git and times a budget-0 step's host work of both on the runner's kind of
