@@ -52,9 +52,10 @@ def _config(budget: int, depth: int, max_num_seqs: int):
                                                  cudagraph_mode=None))
 
 
-def _step(batch: int, budget: int, rng: random.Random, variants: int = 16):
+def _step(batch: int, budget: int, rng: random.Random, variants: int = 16,
+          accepted: int = 4):
     """A scheduler output of ``batch`` decoding requests verifying ``budget`` drafts,
-    and ``variants`` model-runner outputs accepting 0-3 of them."""
+    and ``variants`` model-runner outputs accepting 0 to ``accepted`` - 1 of them."""
     ids = [f"req-{i}" for i in range(batch)]
     spec = {r: [-1] * budget for r in ids} if budget else {}
     so = types.SimpleNamespace(num_scheduled_tokens={r: 1 + budget for r in ids},
@@ -62,15 +63,17 @@ def _step(batch: int, budget: int, rng: random.Random, variants: int = 16):
                                total_num_scheduled_tokens=batch * (1 + budget))
     outs = []
     for _ in range(variants):
-        sampled = [[1] * (1 + (min(rng.randrange(4), budget) if budget else 0)) for _ in ids]
+        sampled = [[1] * (1 + (min(rng.randrange(accepted), budget) if budget else 0))
+                   for _ in ids]
         outs.append(types.SimpleNamespace(sampled_token_ids=sampled,
                                           req_id_to_index={r: i for i, r in enumerate(ids)}))
     return so, outs
 
 
-# --measured-buckets: what a serving engine's controller holds after other traffic
-# (cells of a benchmark before this one): 300 steps at each of these batch sizes, at
-# these budgets in turn, before the timed ones.
+# --measured-buckets: what a serving engine's controller holds after traffic where
+# drafting does not pay (T=1 on the benchmark pair): 300 steps at each of these batch
+# sizes and the timed one, at these budgets in turn, nothing accepted, before the
+# timed steps; every bucket then holds measurements and is off.
 MEASURED_BATCHES = (64, 16, 4, 2)
 MEASURED_BUDGETS = (4, 0, 8, 0)
 
@@ -81,9 +84,9 @@ def time_observe(batch: int, budget: int, steps: int, seed: int = 0,
     clock = types.SimpleNamespace(t=0.0)
     ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
     if measured_buckets:
-        for n in MEASURED_BATCHES:
+        for n in MEASURED_BATCHES + (batch,):
             for b in MEASURED_BUDGETS:
-                so, outs = _step(n, b, rng, 1)
+                so, outs = _step(n, b, rng, 1, accepted=1)
                 for _ in range(300):
                     clock.t += 0.003
                     ob.observe(so, outs[0])
@@ -224,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --baseline: first compare the two controllers' decisions "
                          "on this many random traces of --steps steps")
     ap.add_argument("--measured-buckets", action="store_true",
-                    help="first feed 300 steps at each of batch 64, 16, 4 and 2 (budgets "
-                         "4, 0, 8, 0 in turn), so that other buckets hold measurements, as "
-                         "in an engine that served other traffic")
+                    help="first feed 300 steps at each of batch 64, 16, 4, 2 and the timed "
+                         "one (budgets 4, 0, 8, 0 in turn, nothing accepted), so that every "
+                         "bucket holds measurements and is off, as in an engine that served "
+                         "traffic where drafting does not pay")
     args = ap.parse_args(argv)
     if args.same_decisions and not args.baseline:
         ap.error("--same-decisions needs --baseline")
