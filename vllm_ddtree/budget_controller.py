@@ -591,8 +591,11 @@ class BudgetController:
         bk.batch_sum = bk.batch_sum * df + n
         bk.batch_w = bk.batch_w * df + 1.0
         bk.batch_step = now
+        # An accepted depth is the number of depths >= 1 its path reached: the step's
+        # accepted sum is that of the hit counts past the root.
+        accepted = sum(hits[1:]) if hits is not None else 0
         if hits is not None and hits[0] > 0:
-            bk.acc[li].add(now, float(sum(hits[1:])), float(hits[0]), self.half_life,
+            bk.acc[li].add(now, float(accepted), float(hits[0]), self.half_life,
                            self.shape_half_life, hits)
         if stats.prefill_tokens == 0 and stats.drafted_budget in (None, b):
             models = self._model_levels(min(max(n, 1), self.max_batch_size))
@@ -620,9 +623,8 @@ class BudgetController:
                 bk.probe_done += 1
                 if hits is not None:
                     bk.probe_requests += hits[0]
-                    # An accepted depth a is the number of depths d >= 1 it reached,
-                    # and a^2 the sum of 2d - 1 over them.
-                    bk.probe_acc[0] += sum(hits[1:])
+                    # ... and its square the sum of 2d - 1 over the depths d it reached.
+                    bk.probe_acc[0] += accepted
                     bk.probe_acc[1] += sum((2 * d - 1) * h for d, h in enumerate(hits) if d)
             enough = bk.probe_done >= self.probe_steps and (
                 bk.probing == 0 or bk.probe_requests >= self.probe_requests)
