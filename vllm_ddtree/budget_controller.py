@@ -86,8 +86,8 @@ after ``probe_interval`` of its steps it verifies ``probe_budget`` (4) for at le
 decides with the new data. A probe whose acceptance so far cannot reach what its
 budget needs to pay, even ``PROBE_BOUND_Z`` standard errors up, ends after
 ``probe_steps`` (:meth:`BudgetController._probe_cannot_pay`: at batch 1, where
-``probe_requests`` make a probe 64 steps long, one that cannot pay took 7-27 steps
-in a simulated host-bound engine at ~0.46 accepted).
+``probe_requests`` make a probe 64 steps long, one that cannot pay ends within 32 in
+the unit tests' host-bound engine at ~0.46 accepted).
 Drafting comes back on only on a measured lower bound (a budget accepts at least what
 a smaller one just measured), never on an extrapolation of a short probe, and only at
 a budget whose step time the bucket measured recently (a probe's, typically), never at
@@ -921,8 +921,8 @@ class BudgetController:
         at least the probe's, whose steps take at least the probe's, so no budget
         could have been chosen on the rest of the probe's data. At batch 1 a probe is
         ``probe_requests`` (64) steps long; where a drafting step costs ~1.7x one
-        without drafts and ~0.46 is accepted against ~0.95 needed (a simulated
-        host-bound engine, as the benchmark pair at T=1), it ended after 7-27."""
+        without drafts and ~0.46 is accepted against ~0.95 needed (the unit tests'
+        host-bound engine, as the benchmark pair at T=1), it ends within 32."""
         p, k = bk.probing, bk.probe_requests
         est = bk.estimate
         if (bk.choice != 0 or not p or k <= 0 or bk.probe_done < self.probe_steps
