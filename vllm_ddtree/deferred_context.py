@@ -10,8 +10,8 @@ docs/benchmarks.md). While drafting is off this module only copies the auxiliary
 positions and drafter slots of each step into a buffer, and stores them all in one pass
 (:meth:`DeferredContext.flush`; the speculator's store replays its context-store graph,
 :meth:`vllm_ddtree.context_store_graphs.ContextStoreGraphs.store_copy`) when the buffer
-is full, before any step that drafts, verifies or prefills, and whenever the batch's
-requests change (a finished request's blocks may go to a new one: the stale entries are
+is full (:func:`deferral_capacity` sizes it), before any step that drafts, verifies or
+prefills, and whenever the batch's requests change (a finished request's blocks may go to a new one: the stale entries are
 written before anything of the new request). The drafter's context is then the same as
 without deferral when drafting resumes; only the time it is written moves.
 
@@ -24,6 +24,23 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
+# The buffer holds at least this many tokens, and grows to the largest context-store
+# graph up to MAX_GRAPH_TOKENS: a flush through one replay of that graph costs about what
+# a flush of a quarter of it does, so a batch of 64 that flushed every 4th step with 256
+# tokens (~0.17 ms a flush on the benchmark pair) flushes every 16th with 1024.
+MIN_TOKENS = 256
+MAX_GRAPH_TOKENS = 1024
+
+
+def deferral_capacity(max_num_reqs: int, graph_sizes: Sequence[int] = ()) -> int:
+    """Tokens the deferral buffer holds: four steps of the largest batch, at least
+    ``MIN_TOKENS``, and the largest context-store graph (``graph_sizes``, the target's
+    capture sizes; none when the store runs eagerly) up to ``MAX_GRAPH_TOKENS``, so
+    that a full buffer still flushes in one replay while growing it costs at most
+    ``MAX_GRAPH_TOKENS`` rows of auxiliary states."""
+    largest = min(max(graph_sizes, default=0), MAX_GRAPH_TOKENS)
+    return max(MIN_TOKENS, 4 * max_num_reqs, largest)
 
 
 class DeferredContext:

@@ -36,7 +36,7 @@ from vllm_ddtree.context_store_graphs import (
     context_graphs_enabled,
     padded_graph_size,
 )
-from vllm_ddtree.deferred_context import DeferredContext
+from vllm_ddtree.deferred_context import DeferredContext, deferral_capacity
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
@@ -207,8 +207,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                 logger.info("DDTree: the drafter takes no auxiliary hidden states, so its "
                             "context is stored every step while drafting is off")
                 return
-            self._deferred = DeferredContext(max(256, 4 * self.max_num_reqs), width,
-                                             self.dtype, self.device)
+            sizes = (self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+                     if self.context_graphs_wanted else [])
+            self._deferred = DeferredContext(deferral_capacity(self.max_num_reqs, sizes),
+                                             width, self.dtype, self.device)
             logger.info("DDTree: the drafter's context is deferred while drafting is off "
                         "(buffer of %d tokens)", self._deferred.capacity)
 

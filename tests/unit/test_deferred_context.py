@@ -120,3 +120,18 @@ def test_views_of_persistent_buffers_rewritten_every_step_are_read_anew():
     buf.flush(later.store)
     assert torch.equal(every.kv, later.kv)
     assert later.calls == [10, 1]
+
+
+def test_the_buffer_grows_to_the_largest_context_store_graph_up_to_a_cap():
+    """Four steps of the largest batch, at least 256 tokens, and the largest graph a
+    flush can replay, capped: a graph larger than the cap leaves the buffer at the cap
+    (its rows of auxiliary states are memory the KV cache does not get)."""
+    from vllm_ddtree.deferred_context import MAX_GRAPH_TOKENS, MIN_TOKENS, deferral_capacity
+
+    assert deferral_capacity(1) == MIN_TOKENS == 256
+    assert deferral_capacity(64) == 256 and deferral_capacity(128) == 512
+    assert deferral_capacity(64, [1, 2, 4, 128]) == 256
+    assert deferral_capacity(64, [1, 512, 528]) == 528
+    assert deferral_capacity(64, [1, 8, 1024]) == 1024
+    assert deferral_capacity(64, [1, 8, 4096]) == MAX_GRAPH_TOKENS == 1024
+    assert deferral_capacity(512, [1, 8, 1024]) == 2048

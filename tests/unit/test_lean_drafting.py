@@ -556,6 +556,9 @@ def _decode_graph_spec(budget_by_batch, use_aux=True, layer_group_idx=None):
     spec._budget_by_batch = budget_by_batch
     spec.online_budget = False
     spec.max_num_reqs = 8
+    spec.context_graphs_wanted = True
+    spec.vllm_config = types.SimpleNamespace(compilation_config=types.SimpleNamespace(
+        cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32]))
     spec.dtype, spec.device = torch.float32, torch.device("cpu")
     spec.draft_kv_cache_group_ids = [2, 5]
     spec._layer_group_idx = layer_group_idx
@@ -697,6 +700,17 @@ def test_deferral_is_on_by_default_and_asked_for_by_name_needs_auxiliary_states(
     spec = _decode_graph_spec(None)
     DDTreeSpeculator.load_model(spec, object())
     assert spec._deferred.capacity == 256 and spec._deferred.states.shape == (256, 12)
+    # Graphs up to 1024 tokens: the buffer grows to the largest, so that a batch of 64
+    # flushes every 16th step in one replay; without context-store graphs it does not.
+    spec = _decode_graph_spec(None)
+    spec.vllm_config.compilation_config.cudagraph_capture_sizes = [1, 8, 512, 1024]
+    DDTreeSpeculator.load_model(spec, object())
+    assert spec._deferred.capacity == 1024
+    spec = _decode_graph_spec(None)
+    spec.vllm_config.compilation_config.cudagraph_capture_sizes = [1, 8, 512, 1024]
+    spec.context_graphs_wanted = False
+    DDTreeSpeculator.load_model(spec, object())
+    assert spec._deferred.capacity == 256
     monkeypatch.setenv(DEFER_CONTEXT.name, "0")
     assert not defer_context_enabled() and not defer_context_requested()
     spec = _decode_graph_spec(None)
