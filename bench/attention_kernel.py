@@ -1,6 +1,7 @@
 """Triton's unified attention (vLLM's TRITON_ATTN kernel with the series' tree bias) on
-one decode step, timed outside the engine: the kernel with and without the tree-bias
-argument, on the same inputs.
+one decode step, timed outside the engine, two ways of running it on the same inputs:
+with and without the tree-bias argument (``--compare bias``), or on vLLM's 2D grid
+against its 3D, split-softmax one (``--compare split``).
 
 Why: at Qwen3-8B's shape and batch 16 the kernel took 606-611 us a step in DDTree's
 drafting-off steps against 513 us in plain decoding's on the same backend
@@ -20,6 +21,14 @@ the spread) and their ratio. Decode steps are the engine's: one query token a se
 the 3D (split-softmax) kernel up to vLLM's threshold, the 2D kernel above it.
 ``--placement interleaved`` gives a sequence every other KV block, as a block pool
 shared with a second KV-cache group (the drafter's) hands them out.
+
+``--compare split --shape smollm2``: the kernel without the bias on the 2D grid (one
+program per sequence and KV head) and on the 3D grid (``NUM_PAR_SOFTMAX_SEGMENTS``
+segments a sequence, then the segments' reduction), whatever vLLM's threshold would
+pick. Why: at batch 64 on the benchmark pair a budget-0 step's attention, on the 2D
+grid (vLLM's threshold is 128 // 3 KV heads -> 40 sequences), took 521 us a step
+against FlashAttention's ~403 us in plain decoding; at batch 4, on the 3D grid, 170
+against 272 (bench/results/2026-12-06-gap-profile-budget-0-batch-64-kernels/).
 
 On a machine without CUDA, ``--device cpu`` runs each variant once at a small shape in
 Triton's interpreter (``TRITON_INTERPRET=1``) and checks both against a dense reference
@@ -44,6 +53,10 @@ sys.path.insert(0, ROOT)
 SHAPE_8B = dict(q_heads=32, kv_heads=8, head_size=128)
 # The cost8b suite's random prompts (64-255 tokens) after 0-63 generated tokens.
 SEQ_LEN_RANGE = (64, 320)
+# The benchmark pair's target, SmolLM2-135M: 9 query heads, 3 KV heads of 64, 30 layers;
+# goal cells decode 192 tokens after chat prompts of a few dozen to a few hundred tokens.
+SHAPES = {"qwen3-8b": (SHAPE_8B, SEQ_LEN_RANGE, 36),
+          "smollm2": (dict(q_heads=9, kv_heads=3, head_size=64), (32, 600), 30)}
 
 
 def unified_attention_module():
@@ -109,14 +122,22 @@ def build_inputs(num_seqs: int, *, q_heads: int, kv_heads: int, head_size: int,
     return moved
 
 
-def call_kernel(ua, b: dict, with_bias: bool) -> None:
+def variants(compare: str, num_seqs: int, threshold: int) -> dict[str, tuple[bool, int]]:
+    """Each timed variant: (tree-bias argument passed, the kernel's 3D threshold). The
+    3D grid runs when the batch is at most the threshold (vLLM's rule)."""
+    if compare == "bias":
+        return {"no-bias": (False, threshold), "bias": (True, threshold)}
+    return {"2d": (False, 0), "3d": (False, num_seqs)}
+
+
+def call_kernel(ua, b: dict, with_bias: bool, threshold: int | None = None) -> None:
     ones = torch.ones(b["q"].shape[0], b["kv_heads"], device=b["q"].device)
     ua.unified_attention(
         q=b["q"], k=b["k"], v=b["v"], out=b["out"], cu_seqlens_q=b["cu_seqlens_q"],
         max_seqlen_q=1, seqused_k=b["seqused_k"], max_seqlen_k=b["max_seq_len"],
         softmax_scale=b["head_size"] ** -0.5, causal=True, window_size=(-1, -1),
         block_table=b["block_table"], softcap=0, q_descale=None, k_descale=ones,
-        v_descale=ones, seq_threshold_3D=b["threshold"],
+        v_descale=ones, seq_threshold_3D=b["threshold"] if threshold is None else threshold,
         num_par_softmax_segments=b["segments"], softmax_segm_output=b["segm_output"],
         softmax_segm_max=b["segm_max"], softmax_segm_expsum=b["segm_expsum"],
         qq_bias=b["bias"] if with_bias else None)
@@ -137,33 +158,37 @@ def reference_decode(b: dict) -> torch.Tensor:
     return out
 
 
-def output_errors(ua, b: dict) -> dict:
-    """Both variants against the dense reference (a one-token query's bias is zero, so
-    both must match it)."""
+def output_errors(ua, b: dict, compare: str = "bias") -> dict:
+    """Both variants against the dense reference (a one-token query's bias is zero, and
+    the grid only splits the work, so both must match it)."""
     ref = reference_decode(b)
     errs = {}
-    for variant in ("no-bias", "bias"):
-        call_kernel(ua, b, variant == "bias")
+    for variant, (with_bias, threshold) in variants(compare, b["q"].shape[0],
+                                                   b["threshold"]).items():
+        b["out"].zero_()
+        call_kernel(ua, b, with_bias, threshold)
         errs[variant] = float((b["out"].float().cpu() - ref).abs().max())
     return errs
 
 
-def time_cell(ua, b: dict, calls: int, replays: int, rounds: int) -> dict:
+def time_cell(ua, b: dict, calls: int, replays: int, rounds: int,
+              compare: str = "bias") -> dict:
     """Microseconds a kernel call for each variant, from CUDA graphs of ``calls`` calls."""
     graphs = {}
-    for variant in ("no-bias", "bias"):
-        with_bias = variant == "bias"
-        call_kernel(ua, b, with_bias)  # compile outside the capture
+    specs = variants(compare, b["q"].shape[0], b["threshold"])
+    for variant, (with_bias, threshold) in specs.items():
+        call_kernel(ua, b, with_bias, threshold)  # compile outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(calls):
-                call_kernel(ua, b, with_bias)
+                call_kernel(ua, b, with_bias, threshold)
         graphs[variant] = g
-    per_call: dict[str, list[float]] = {"no-bias": [], "bias": []}
+    names = list(specs)
+    per_call: dict[str, list[float]] = {v: [] for v in names}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for r in range(rounds):
-        order = ("no-bias", "bias") if r % 2 == 0 else ("bias", "no-bias")
+        order = names if r % 2 == 0 else names[::-1]
         for variant in order:
             graphs[variant].replay()  # warm
             start.record()
@@ -177,7 +202,8 @@ def time_cell(ua, b: dict, calls: int, replays: int, rounds: int) -> dict:
         med = statistics.median(xs)
         out[variant] = {"us_per_call": round(med, 3),
                         "spread": round((max(xs) - min(xs)) / med, 4), "rounds": len(xs)}
-    out["bias_over_no_bias"] = round(out["bias"]["us_per_call"] / out["no-bias"]["us_per_call"], 4)
+    key = "bias_over_no_bias" if compare == "bias" else "3d_over_2d"
+    out[key] = round(out[names[1]]["us_per_call"] / out[names[0]]["us_per_call"], 4)
     return out
 
 
@@ -185,13 +211,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--compare", default="bias", choices=["bias", "split"],
+                    help="bias: with / without the tree bias at vLLM's grid choice; "
+                         "split: the 2D grid against the 3D one, without the bias")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES),
+                    help="the target's attention heads and its sequence lengths")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--placements", nargs="+", default=["contiguous", "interleaved"],
                     choices=["contiguous", "interleaved"])
     ap.add_argument("--tree-nodes", type=int, default=65,
                     help="the bias's Q: budget + 1 (DDTree's default budget 64)")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--calls", type=int, default=36, help="kernel calls a graph (layers)")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="kernel calls a graph (default: the shape's layers)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
@@ -200,7 +232,7 @@ def main(argv=None) -> int:
 
     ua = unified_attention_module()
     record: dict = {"command": " ".join(["python3", "bench/attention_kernel.py", *(argv or sys.argv[1:])]),
-                    "device": a.device, "cells": []}
+                    "device": a.device, "compare": a.compare, "cells": []}
     if a.device == "cpu":
         # Interpreter check: a small shape, each variant once, outputs compared.
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -212,26 +244,32 @@ def main(argv=None) -> int:
                                  placement=placement, dtype=torch.float32, device="cpu",
                                  seed=a.seed, seq_len_range=(5, 40), three_d_max_seqs=n)
                 record["cells"].append({"batch": n, "placement": placement,
-                                        "max_abs_err": output_errors(ua, b)})
+                                        "max_abs_err": output_errors(ua, b, a.compare)})
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device (use --device cpu for the check)")
         record["gpu"] = torch.cuda.get_device_name()
-        record["shape"] = dict(SHAPE_8B, block_size=a.block_size, tree_nodes=a.tree_nodes,
-                               seq_len_range=list(SEQ_LEN_RANGE), dtype="bfloat16")
+        heads, seq_lens, layers = SHAPES[a.shape]
+        calls = a.calls or layers
+        record["shape"] = dict(heads, name=a.shape, block_size=a.block_size,
+                               tree_nodes=a.tree_nodes, seq_len_range=list(seq_lens),
+                               dtype="bfloat16", calls_per_graph=calls)
         # vLLM's default capture sizes up to 512 tokens.
         capture_sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
-        threshold = three_d_threshold(SHAPE_8B["kv_heads"], capture_sizes)
+        threshold = three_d_threshold(heads["kv_heads"], capture_sizes)
         record["three_d_max_seqs"] = threshold
         t0 = time.time()
         for n in a.batch_sizes:
             for placement in a.placements:
-                b = build_inputs(n, **SHAPE_8B, block_size=a.block_size, tree_nodes=a.tree_nodes,
+                b = build_inputs(n, **heads, block_size=a.block_size, tree_nodes=a.tree_nodes,
                                  placement=placement, dtype=torch.bfloat16, device="cuda",
-                                 seed=a.seed, three_d_max_seqs=threshold)
-                cell = {"batch": n, "placement": placement, "kernel": "3d" if n <= threshold else "2d",
-                        "max_abs_err": output_errors(ua, b)}
-                cell.update(time_cell(ua, b, a.calls, a.replays, a.rounds))
+                                 seed=a.seed, seq_len_range=seq_lens,
+                                 three_d_max_seqs=max(threshold, n))
+                b["threshold"] = threshold  # vLLM's choice; the buffers hold a 3D batch of n
+                cell = {"batch": n, "placement": placement,
+                        "vllm_kernel": "3d" if n <= threshold else "2d",
+                        "max_abs_err": output_errors(ua, b, a.compare)}
+                cell.update(time_cell(ua, b, calls, a.replays, a.rounds, a.compare))
                 record["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
         record["wall_s"] = round(time.time() - t0, 1)

@@ -71,7 +71,9 @@
 #                                          # GAP_PROFILE_ROUNDS=N: engines N times, alternating)
 #   bash bench/gpu_session.sh flashtests   # GPU tests of trees on FlashAttention (opt-in route)
 #   bash bench/gpu_session.sh attention-kernel  # Triton attention with / without the tree
-#                                               # bias, same inputs, no engine (~1 min)
+#                                               # bias, or on its 2D / 3D grid
+#                                               # (ATTENTION_KERNEL_ARGS), same inputs,
+#                                               # no engine (~1 min)
 #   bash bench/gpu_session.sh drafter-data   # the drafter's training sequences through vLLM
 #                                      # (kept on the machine for the loan's later steps)
 #   bash bench/gpu_session.sh drafter-speed  # ms a training step, each way the step can run
@@ -514,9 +516,13 @@ case "$step" in
     # decode inputs at Qwen3-8B's attention shape, outside the engine (a budget-0 step's
     # attention ran 18 % longer in DDTree's engine than in plain decoding's on Triton):
     # bench/attention_kernel.py -> $OUT/attention-kernel.json. No engine: ~1 min.
+    # ATTENTION_KERNEL_ARGS: its options, e.g. "--compare split --shape smollm2
+    # --batch-sizes 16 32 48 64 128" (vLLM's 2D grid against its 3D one on the pair's
+    # target; a budget-0 step's attention at batch 64 runs the 2D grid).
     prepare
+    # shellcheck disable=SC2086  # a list of options
     timeout 300 python3 bench/attention_kernel.py --out "$OUT/attention-kernel.json" \
-      > "$OUT/attention-kernel.log" 2>&1
+      ${ATTENTION_KERNEL_ARGS:-} > "$OUT/attention-kernel.log" 2>&1
     echo "attention-kernel rc=$?"; grep '^{' "$OUT/attention-kernel.log" | cut -c1-300
     ;;
   drafter-data)

@@ -70,3 +70,30 @@ def test_both_variants_match_the_dense_reference_in_the_interpreter(tmp_path):
     for c in cells:
         assert set(c["max_abs_err"]) == {"no-bias", "bias"}
         assert max(c["max_abs_err"].values()) < 1e-4, c
+
+
+def test_both_grids_match_the_dense_reference_in_the_interpreter(tmp_path):
+    """--compare split: the kernel without the bias on vLLM's 2D grid and on its 3D
+    split-softmax grid, each against the dense reference."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("triton")
+    out = tmp_path / "attention-kernel-split.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "attention_kernel.py"), "--device", "cpu",
+         "--compare", "split", "--batch-sizes", "2", "--placements", "interleaved",
+         "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["compare"] == "split"
+    (cell,) = record["cells"]
+    assert set(cell["max_abs_err"]) == {"2d", "3d"}
+    assert max(cell["max_abs_err"].values()) < 1e-4, cell
+
+
+def test_the_split_comparison_runs_each_grid():
+    from bench import attention_kernel as ak
+
+    assert ak.variants("split", 64, 40) == {"2d": (False, 0), "3d": (False, 64)}
+    assert ak.variants("bias", 64, 40) == {"no-bias": (False, 40), "bias": (True, 40)}
