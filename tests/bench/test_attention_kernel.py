@@ -53,17 +53,22 @@ def test_the_reference_notices_a_wrong_kv_placement():
     assert (ak.reference_decode(wrong) - ref).abs().max() > 0.1
 
 
-def test_both_variants_match_the_dense_reference_in_the_interpreter(tmp_path):
+def _interpreted(tmp_path, *args: str) -> dict:
+    """bench/attention_kernel.py --device cpu in Triton's interpreter; its record."""
     pytest.importorskip("vllm")
     pytest.importorskip("triton")
     out = tmp_path / "attention-kernel.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "attention_kernel.py"), "--device", "cpu",
-         "--batch-sizes", "1", "3", "--out", str(out)],
+         *args, "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_both_variants_match_the_dense_reference_in_the_interpreter(tmp_path):
+    record = _interpreted(tmp_path, "--batch-sizes", "1", "3")
     cells = record["cells"]
     assert {(c["batch"], c["placement"]) for c in cells} == {
         (1, "contiguous"), (1, "interleaved"), (3, "contiguous"), (3, "interleaved")}
@@ -75,17 +80,8 @@ def test_both_variants_match_the_dense_reference_in_the_interpreter(tmp_path):
 def test_both_grids_match_the_dense_reference_in_the_interpreter(tmp_path):
     """--compare split: the kernel without the bias on vLLM's 2D grid and on its 3D
     split-softmax grid, each against the dense reference."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("triton")
-    out = tmp_path / "attention-kernel-split.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "attention_kernel.py"), "--device", "cpu",
-         "--compare", "split", "--batch-sizes", "2", "--placements", "interleaved",
-         "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = json.loads(out.read_text())
+    record = _interpreted(tmp_path, "--compare", "split", "--batch-sizes", "2",
+                          "--placements", "interleaved")
     assert record["compare"] == "split"
     (cell,) = record["cells"]
     assert set(cell["max_abs_err"]) == {"2d", "3d"}
