@@ -11,8 +11,8 @@ positions and drafter slots of each step into a buffer, and stores them all in o
 (:meth:`DeferredContext.flush`; the speculator's store replays its context-store graph,
 :meth:`vllm_ddtree.context_store_graphs.ContextStoreGraphs.store_copy`) when the buffer
 is full (:func:`deferral_capacity` sizes it), before any step that drafts, verifies or
-prefills, and whenever the batch's requests change (a finished request's blocks may go to a new one: the stale entries are
-written before anything of the new request). The drafter's context is then the same as
+prefills, and whenever the batch's requests change (a finished request's blocks may go
+to a new one: the stale entries are written before anything of the new request). The drafter's context is then the same as
 without deferral when drafting resumes; only the time it is written moves.
 
 Lossless either way: the drafter's cache holds only what drafts are made from, and every
@@ -26,9 +26,9 @@ from typing import Callable, Sequence
 import torch
 
 # The buffer holds at least this many tokens, and grows to the largest context-store
-# graph up to MAX_GRAPH_TOKENS: a flush through one replay of that graph costs about what
-# a flush of a quarter of it does, so a batch of 64 that flushed every 4th step with 256
-# tokens (~0.17 ms a flush on the benchmark pair) flushes every 16th with 1024.
+# graph up to MAX_GRAPH_TOKENS: a full buffer still flushes in one replay of a graph, and
+# a larger one flushes less often (a batch of 64 flushed every 4th budget-0 step with 256
+# tokens, ~0.17 ms a flush on the benchmark pair; every 16th with 1024).
 MIN_TOKENS = 256
 MAX_GRAPH_TOKENS = 1024
 
