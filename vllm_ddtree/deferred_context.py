@@ -12,8 +12,9 @@ positions and drafter slots of each step into a buffer, and stores them all in o
 :meth:`vllm_ddtree.context_store_graphs.ContextStoreGraphs.store_copy`) when the buffer
 is full (:func:`deferral_capacity` sizes it), before any step that drafts, verifies or
 prefills, and whenever the batch's requests change (a finished request's blocks may go
-to a new one: the stale entries are written before anything of the new request). The drafter's context is then the same as
-without deferral when drafting resumes; only the time it is written moves.
+to a new one: the stale entries are written before anything of the new request). The
+drafter's context is then the same as without deferral when drafting resumes; only the
+time it is written moves.
 
 Lossless either way: the drafter's cache holds only what drafts are made from, and every
 draft is verified by the target.
