@@ -130,14 +130,14 @@ def variants(compare: str, num_seqs: int, threshold: int) -> dict[str, tuple[boo
     return {"2d": (False, 0), "3d": (False, num_seqs)}
 
 
-def call_kernel(ua, b: dict, with_bias: bool, threshold: int | None = None) -> None:
+def call_kernel(ua, b: dict, with_bias: bool, threshold: int) -> None:
     ones = torch.ones(b["q"].shape[0], b["kv_heads"], device=b["q"].device)
     ua.unified_attention(
         q=b["q"], k=b["k"], v=b["v"], out=b["out"], cu_seqlens_q=b["cu_seqlens_q"],
         max_seqlen_q=1, seqused_k=b["seqused_k"], max_seqlen_k=b["max_seq_len"],
         softmax_scale=b["head_size"] ** -0.5, causal=True, window_size=(-1, -1),
         block_table=b["block_table"], softcap=0, q_descale=None, k_descale=ones,
-        v_descale=ones, seq_threshold_3D=b["threshold"] if threshold is None else threshold,
+        v_descale=ones, seq_threshold_3D=threshold,
         num_par_softmax_segments=b["segments"], softmax_segm_output=b["segm_output"],
         softmax_segm_max=b["segm_max"], softmax_segm_expsum=b["segm_expsum"],
         qq_bias=b["bias"] if with_bias else None)
