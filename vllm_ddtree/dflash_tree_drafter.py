@@ -207,10 +207,9 @@ class DDTreeSpeculator(DFlashSpeculator):
                 logger.info("DDTree: the drafter takes no auxiliary hidden states, so its "
                             "context is stored every step while drafting is off")
                 return
-            sizes = (self.vllm_config.compilation_config.cudagraph_capture_sizes or []
-                     if self.context_graphs_wanted else [])
-            self._deferred = DeferredContext(deferral_capacity(self.max_num_reqs, sizes),
-                                             width, self.dtype, self.device)
+            self._deferred = DeferredContext(
+                deferral_capacity(self.max_num_reqs, self._context_graph_sizes()),
+                width, self.dtype, self.device)
             logger.info("DDTree: the drafter's context is deferred while drafting is off "
                         "(buffer of %d tokens)", self._deferred.capacity)
 
@@ -411,14 +410,19 @@ class DDTreeSpeculator(DFlashSpeculator):
                 table_ranges(self._drafting_budget),
             )
 
+    def _context_graph_sizes(self) -> list[int]:
+        """The token counts the context store's graphs are captured for (the target's
+        CUDA graph capture sizes); none when those graphs are off."""
+        if not self.context_graphs_wanted:
+            return []
+        return self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+
     def capture(self) -> None:
         """vLLM's drafter graphs, then the context store's (one per target capture
         size; see :mod:`vllm_ddtree.context_store_graphs`); the lean heads' kernels."""
         super().capture()
         self._warm_up_heads()
-        if not self.context_graphs_wanted:
-            return
-        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        sizes = self._context_graph_sizes()
         if not sizes:
             return
         from vllm.distributed.parallel_state import graph_capture
