@@ -119,9 +119,10 @@ budget 0 otherwise priced not drafting above drafting for thousands of steps
 (:meth:`BudgetController._cost_cap`). Slow stretches (a shared host's CPU busy
 elsewhere: ~1.5x for 10-20 steps at a time) are clipped too: a step counts for at most
 ``STRETCH_CLIP`` (15 %) above the median of its budget's last ``STRETCH_WINDOW`` (64)
-step times, so budget 0, measured on most steps, and a drafting budget, measured in
-short probes, are compared at the host's typical pace whichever of them took in the
-stretches; a lasting change of pace moves that median within half a window.
+step times within ``STRETCH_MAX_AGE`` (256) steps, so budget 0, measured on most
+steps, and a drafting budget, measured in short probes, are compared at the host's
+typical pace whichever of them took in the stretches; a lasting change of pace moves
+that median within half a window.
 
 **Determinism.** No clocks, no random numbers, no iteration over hashed containers:
 the table is a function of the sequence of :class:`StepStats` fed to it and the
@@ -163,16 +164,18 @@ STALL_FACTOR = 4.0
 STALL_MIN_WEIGHT = 8.0
 # Slow stretches: on a shared host steps run ~1.5x slower for 10-20 steps at a time, at
 # every budget alike (the benchmark pair's budget-0 steps at batch 64: ~2.2 ms, ~3.4 in
-# a stretch; bench/results/2026-12-06-goals-every-cell-host-stretches-held-out-sharegpt/). Budget 0
-# is measured on most steps and a drafting budget in short probes, so a probe in quiet
-# steps against a budget-0 estimate that took in a stretch (or the reverse) decided
-# which one pays. A step counts for at most STRETCH_CLIP above its level's typical
-# time: the median of that level's last STRETCH_WINDOW step times (relative to the
-# start-up model, uncapped), recomputed every STALL_MIN_WEIGHT of them once there are
-# that many. A lasting change of pace moves the median after half a window, and is
-# followed from then on.
+# a stretch; bench/results/2026-12-06-goals-every-cell-host-stretches-held-out-sharegpt/).
+# Budget 0 is measured on most steps and a drafting budget in short probes, so a probe
+# in quiet steps against a budget-0 estimate that took in a stretch (or the reverse)
+# decided which one pays. A step counts for at most STRETCH_CLIP above its level's
+# typical time: the median of that level's last STRETCH_WINDOW step times (relative to
+# the start-up model, uncapped) within STRETCH_MAX_AGE steps, taken every
+# STALL_MIN_WEIGHT of them once there are that many, and used for STRETCH_MAX_AGE steps
+# (a probe after a long pause is not clipped by the pace of the probe before). A lasting
+# change of pace moves the median after half a window, and is followed from then on.
 STRETCH_CLIP = 0.15
 STRETCH_WINDOW = 64
+STRETCH_MAX_AGE = 256
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
 # A bucket that is off and not probing is decided again every OFF_REFRESH_FACTOR
@@ -333,19 +336,20 @@ class _Bucket:
                  "probe_done", "probe_requests", "probe_seen", "probe_turn", "probed_at",
                  "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at", "cap_from",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
-                 "left_at", "recent_cost", "typical_cost", "typical_due")
+                 "left_at", "recent_cost", "typical_cost", "typical_at", "typical_due")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
         self.lo, self.hi = lo, hi
         self.acc = [_Cell(max_depth + 1) for _ in range(num_levels)]
         self.cost = [_Cell() for _ in range(num_levels)]
-        # Per level: its last STRETCH_WINDOW step times relative to the model, their
-        # median (None until STALL_MIN_WEIGHT of them), and the samples until the
-        # median is taken again.
+        # Per level: its last STRETCH_WINDOW (step, time relative to the model), their
+        # median (None until STALL_MIN_WEIGHT of them) and the step it was taken at,
+        # and the samples until it is taken again.
         self.recent_cost = [collections.deque(maxlen=STRETCH_WINDOW)
                             for _ in range(num_levels)]
         self.typical_cost: list[float | None] = [None] * num_levels
+        self.typical_at = [0] * num_levels
         self.typical_due = [int(STALL_MIN_WEIGHT)] * num_levels
         self.batch_sum = self.batch_w = 0.0
         self.batch_step = 0
@@ -631,11 +635,16 @@ class BudgetController:
             cap = self._cost_cap(bk, li, now, models)
             # The level's window takes the uncapped time; its median again every
             # STALL_MIN_WEIGHT samples (the typical time of the stretch clip).
-            bk.recent_cost[li].append(step_ms / model)
+            window = bk.recent_cost[li]
+            window.append((now, step_ms / model))
             due = bk.typical_due[li] - 1
             if due <= 0:
                 due = int(STALL_MIN_WEIGHT)
-                bk.typical_cost[li] = statistics.median(bk.recent_cost[li])
+                while window[0][0] < now - STRETCH_MAX_AGE:
+                    window.popleft()
+                bk.typical_cost[li] = (statistics.median(v for _, v in window)
+                                       if len(window) >= STALL_MIN_WEIGHT else None)
+                bk.typical_at[li] = now
             bk.typical_due[li] = due
             if cap is not None:
                 step_ms = min(step_ms, cap)
@@ -699,7 +708,7 @@ class BudgetController:
         own = self._recent_mean(bk.cost[li], now, STALL_MIN_WEIGHT)
         cap = None if own is None else STALL_FACTOR * own * models[li]
         typical = bk.typical_cost[li]
-        if typical is not None:
+        if typical is not None and now - bk.typical_at[li] <= STRETCH_MAX_AGE:
             stretch = (1.0 + STRETCH_CLIP) * typical * models[li]
             cap = stretch if cap is None else min(cap, stretch)
         if li != 0:

@@ -911,7 +911,8 @@ def test_a_lasting_change_of_pace_is_followed_despite_the_stall_cap(monkeypatch)
 
 
 # A batch of 64 on a host-bound target, as the benchmark pair's: ~2.25 ms a step without
-# drafts, ~3.3 with a tree of 4 (bench/results/2026-12-06-goals-every-cell-host-stretches-held-out-sharegpt/).
+# drafts, ~3.3 with a tree of 4
+# (bench/results/2026-12-06-goals-every-cell-host-stretches-held-out-sharegpt/).
 HOST_BOUND_64 = StartupCost(target_forward_ms=lambda t: 1.2 + 0.0004 * max(0, t - 64),
                             drafter_ms=lambda n: 0.7, tree_ms_per_step=0.25,
                             tree_ms_per_node=0.00002, host_ms=1.05)
@@ -963,6 +964,24 @@ def test_slow_stretches_of_steps_without_drafts_do_not_turn_drafting_on(monkeypa
 
 def test_drafting_that_pays_stays_on_through_slow_stretches():
     assert min(_stretch_drafting_shares(1.0)) > 0.95
+
+
+def test_a_probe_after_a_long_pause_is_not_clipped_by_the_pace_of_the_one_before():
+    """Budget 4 measured in a probe at one pace, then 1000 steps without drafts, then
+    budget 4 at twice that pace (longer contexts, another host): the new steps count
+    as they are, not at 15 % above the old probe's median."""
+    ctl = controller(cost=HOST_BOUND_64)
+    ms4, ms0 = HOST_BOUND_64(64, 4), HOST_BOUND_64(64, 0)
+    for _ in range(16):
+        ctl.observe(StepStats(64, 4, ms4, accepted_depths=[0] * 64, drafted_budget=4))
+    for _ in range(1000):
+        ctl.observe(StepStats(64, 0, ms0))
+    for _ in range(16):
+        ctl.observe(StepStats(64, 4, 2 * ms4, accepted_depths=[0] * 64, drafted_budget=4))
+    cell = ctl._buckets[ctl.bucket_of(64)].cost[ctl._index[4]]
+    # The fast mean (relative to the model): the old probe's 16 steps have decayed to
+    # ~0.02 of their weight, so the new ones set it.
+    assert cell.fast_mean() > 1.9
 
 
 class DrainEngine(Engine):
