@@ -9,6 +9,7 @@ controller is fed each step's statistics one step late, as the engine would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -105,6 +106,10 @@ class Engine:
         self.trace.append((n, b))
         self.choices.append(self.ctl.choice_for(n))
         return b
+
+    def retime(self, step_ms: float) -> None:
+        """The last step's statistics, taking ``step_ms`` (a stall, a slow stretch)."""
+        self.pending = dataclasses.replace(self.pending, step_ms=step_ms)
 
     def run(self, steps: int, n: int, quality: float = 1.0) -> list[int]:
         """The budgets used (probes included); ``choices`` has the held ones."""
@@ -844,10 +849,7 @@ class StallEngine(Engine):
         due = len(self.trace) - 1 == self.at if self.at is not None else b == 0
         if due and not self.stalled:
             self.stalled = True
-            self.pending = StepStats(s.batch_size, s.budget, s.step_ms + self.stall_ms,
-                                     depth_hits=s.depth_hits,
-                                     accepted_depths=s.accepted_depths,
-                                     drafted_budget=s.drafted_budget)
+            self.retime(s.step_ms + self.stall_ms)
         return b
 
 
@@ -931,8 +933,7 @@ class StretchEngine(Engine):
         b = super().step(n, quality)
         s = self.pending
         if b == 0 and (len(self.trace) // 10) % 5 < 2:
-            self.pending = StepStats(s.batch_size, s.budget, s.step_ms * self.slow,
-                                     drafted_budget=s.drafted_budget)
+            self.retime(s.step_ms * self.slow)
         return b
 
 
@@ -997,8 +998,7 @@ class DrainEngine(Engine):
         b = super().step(n, quality)
         s = self.pending
         if n < self.full and s.budget == 0:
-            self.pending = StepStats(s.batch_size, 0, s.step_ms * self.slow,
-                                     drafted_budget=s.drafted_budget)
+            self.retime(s.step_ms * self.slow)
         return b
 
 
