@@ -1,0 +1,155 @@
+"""Where an all-at-once wave's time goes, from the online controller's step trace.
+
+A DDTree engine with ``VLLM_DDTREE_BUDGET_REPORT`` set (``bench/run.py`` sets it) keeps
+its last 512 steps (``online_budget.recent_steps`` in a result file's ``engines``: batch,
+budget, drafted budget, requests sampled, mean accepted, step ms, prefill tokens). This
+splits them into waves (a wave starts at a step that prefills after steps that decoded)
+and, per wave, says how long its decode steps took while every request of the wave was
+running ("full") and after the first one finished ("tail"), the budgets they ran, and
+the tokens they produced (a request's token a step plus what it accepted): whether a
+wave ended late because of its tail or because its full-batch steps were slow.
+
+The trace holds the engine's last steps, so it describes the last cells the engine ran:
+run the cell of interest last (``GOALS_BATCH_SIZES``, ``GOALS_TEMPERATURES``).
+
+    python3 bench/step_trace.py bench/results/<dir>/bench-goals-<tag>.json.gz [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+
+FIELDS = ["batch", "budget", "drafted_budget", "requests_sampled", "mean_accepted",
+          "step_ms", "prefill_tokens"]
+
+
+def load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def traces(doc: dict) -> list[tuple[str, int, list[dict]]]:
+    """(config, round, steps as dicts) of every engine whose report kept a trace."""
+    out = []
+    for eng in doc.get("engines", []):
+        rs = (eng.get("online_budget") or {}).get("recent_steps")
+        if not rs:
+            continue
+        fields = rs["fields"]
+        missing = [f for f in FIELDS if f not in fields]
+        if missing:
+            raise ValueError(f"{eng.get('config')}: the trace lacks {missing}")
+        out.append((eng.get("config"), eng.get("round", 0),
+                    [dict(zip(fields, s)) for s in rs["steps"]]))
+    return out
+
+
+def split_waves(steps: list[dict]) -> list[list[dict]]:
+    """Waves: a step that prefills after a step that only decoded starts a new one. The
+    first wave is usually cut (the trace starts inside it)."""
+    waves: list[list[dict]] = []
+    cur: list[dict] = []
+    for s in steps:
+        if s["prefill_tokens"] and cur and not cur[-1]["prefill_tokens"]:
+            waves.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        waves.append(cur)
+    return waves
+
+
+def _tokens(s: dict) -> float:
+    """Tokens a decode step produced: one a request, plus the accepted drafts of the
+    requests that verified some (``mean_accepted`` over ``requests_sampled``)."""
+    acc = s["mean_accepted"] or 0.0
+    return s["batch"] + acc * (s["requests_sampled"] or 0)
+
+
+def _phase(steps: list[dict]) -> dict:
+    ms = sum(s["step_ms"] for s in steps)
+    tokens = sum(_tokens(s) for s in steps)
+    drafting = [s for s in steps if s["budget"] > 0]
+    return {
+        "steps": len(steps),
+        "ms": round(ms, 2),
+        "tokens": round(tokens, 1),
+        "tokens_per_ms": round(tokens / ms, 3) if ms else None,
+        "drafting_steps": len(drafting),
+        "budgets": {str(b): sum(1 for s in steps if s["budget"] == b)
+                    for b in sorted({s["budget"] for s in steps})},
+        "step_ms_p50": {
+            "0": _median([s["step_ms"] for s in steps if s["budget"] == 0]),
+            "drafting": _median([s["step_ms"] for s in drafting])},
+    }
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def wave_summary(wave: list[dict], first_in_trace: bool = False) -> dict | None:
+    """One wave's phases; None for a wave without a decode step. ``cut``: the trace
+    began inside it (the first wave, when it has no prefilling step or its batch grew
+    after decoding began)."""
+    decode = [s for s in wave if not s["prefill_tokens"]]
+    if not decode:
+        return None
+    full = max(s["batch"] for s in decode)
+    first = next(i for i, s in enumerate(decode) if s["batch"] == full)
+    head = decode[first:]
+    end_full = next((i for i, s in enumerate(head) if s["batch"] < full), len(head))
+    return {
+        "requests": full,
+        "prefill_steps": len(wave) - len(decode),
+        "cut": first_in_trace and (first > 0 or not wave[0]["prefill_tokens"]),
+        "full": _phase(head[:end_full]),
+        "tail": _phase(head[end_full:]),
+    }
+
+
+def summarize(doc: dict) -> list[dict]:
+    out = []
+    for config, rnd, steps in traces(doc):
+        waves = [w for w in (wave_summary(w, i == 0) for i, w in enumerate(split_waves(steps)))
+                 if w]
+        out.append({"config": config, "round": rnd, "waves": waves})
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| engine | wave | requests | full: steps / ms / tok per ms / budgets "
+             "| tail: steps / ms / tok per ms / budgets | tail share of ms |",
+             "|---|---|---|---|---|---|"]
+    for eng in summary:
+        for i, w in enumerate(eng["waves"]):
+            f, t = w["full"], w["tail"]
+            total = f["ms"] + t["ms"]
+            lines.append(
+                f"| {eng['config']} r{eng['round']} | {i}{' (cut)' if w['cut'] else ''} "
+                f"| {w['requests']} | {f['steps']} / {f['ms']} / {f['tokens_per_ms']} / "
+                f"{f['budgets']} | {t['steps']} / {t['ms']} / {t['tokens_per_ms']} / "
+                f"{t['budgets']} | {round(t['ms'] / total, 3) if total else None} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("result", help="a bench/run.py result file (.json or .json.gz)")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = ap.parse_args(argv)
+    summary = summarize(load(args.result))
+    if not summary:
+        print(f"{args.result}: no engine kept a step trace", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1) if args.json else table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
