@@ -7,7 +7,9 @@ splits them into waves (a wave starts at a step that prefills after steps that d
 and, per wave, says how long its decode steps took while every request of the wave was
 running ("full") and after the first one finished ("tail"), the budgets they ran, and
 the tokens they produced (a request's token a step plus what it accepted): whether a
-wave ended late because of its tail or because its full-batch steps were slow.
+wave ended late because of its tail or because its full-batch steps were slow. Steps
+that prefill, and decode steps before the batch first reaches its largest size, are in
+neither phase (``prefill_steps`` counts the former).
 
 The trace holds the engine's last steps, so it describes the last cells the engine ran:
 run the cell of interest last (``GOALS_BATCH_SIZES``, ``GOALS_TEMPERATURES``).
