@@ -37,3 +37,39 @@ def test_it_times_both_schedulers_with_drafting_turned_off(tmp_path, monkeypatch
     # (nothing is ever accepted), its probes aside.
     assert row["plain_drafted_steps"] == [0, 0]
     assert all(d < 0.2 * 300 for d in row["ddtree_drafted_steps"]), row
+
+
+def test_drafting_mode_times_the_patched_methods_against_the_pinned_release(tmp_path,
+                                                                          monkeypatch):
+    import inspect
+
+    import vllm.config.vllm as vllm_config_module
+    import vllm.engine.arg_utils as arg_utils
+    import vllm.platforms
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", vllm.platforms.current_platform,
+                        raising=False)
+    monkeypatch.setattr(arg_utils, "current_platform", arg_utils.current_platform)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", vllm_config_module.HAS_TRITON)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    patched = Scheduler._update_request_with_output
+    # The pinned release's own method, from the original file apply.sh kept.
+    [(cls, name, fn)] = scheduler_host.pristine_methods()
+    assert cls is Scheduler and name == "_update_request_with_output"
+    assert "first_stop" in inspect.getsource(patched)
+    assert "first_stop" not in inspect.getsource(fn) and "check_stop" in fn.__globals__
+    out = tmp_path / "scheduler-host.json"
+    assert scheduler_host.main(["--out", str(out), "--batch-sizes", "4", "--warmup", "50",
+                                "--steps", "100", "--rounds", "2", "--drafting", "4"]) == 0
+    assert Scheduler._update_request_with_output is patched  # put back after each step
+    [row] = json.loads(out.read_text())["rows"]
+    # DDTree drafted in every step, each half of them on the pinned release's method.
+    assert row["ddtree_drafted_steps"] == [100, 100]
+    assert row["ddtree_pristine_drafted_steps"] == [100, 100]
+    assert row["plain_drafted_steps"] == [0, 0]
+    assert len(row["ddtree_over_pristine_update_paired"]) == 2
+    assert row["ddtree_update_us_p50"] > 0 and row["ddtree_pristine_update_us_p50"] > 0
+    for bad in (["--drafting", "0"], ["--drafting", "4", "--quality", "1.5"]):
+        with pytest.raises(SystemExit):
+            scheduler_host.main(["--out", str(out), *bad])
