@@ -1,5 +1,6 @@
-"""Host time of vLLM's scheduler a decode step, plain decoding against DDTree with its
-drafting off (CPU only).
+"""Host time of vLLM's scheduler a decode step: plain decoding against DDTree with its
+drafting off, or (``--drafting``) DDTree drafting against the pinned release's own
+methods (CPU only).
 
 The engine core runs ``schedule()`` and ``update_from_output()`` on its host thread
 every step, which sets the pace of a small target's step. This builds vLLM's real
@@ -48,7 +49,8 @@ from bench.online_budget_host import write_result  # noqa: E402
 
 # (module, class, method) the series patches for a drafting step's scheduler host
 # time; ``ddtree-pristine`` runs the pinned release's own.
-PRISTINE = [("vllm.v1.core.sched.scheduler", "Scheduler", "_update_request_with_output")]
+PRISTINE = [("vllm.v1.core.sched.scheduler", "Scheduler", "_update_request_with_output"),
+            ("vllm.v1.spec_decode.metrics", "SpecDecodingStats", "observe_draft")]
 
 
 def engine_config(models: dict[str, str], kind: str, drafting: int | None = None):
@@ -73,10 +75,10 @@ def engine_config(models: dict[str, str], kind: str, drafting: int | None = None
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-def pristine_methods() -> list[tuple[type, str, object]]:
-    """(class, name, the pinned release's function) for each of ``PRISTINE``: the
-    function as vLLM ships it, from the original file ``apply.sh`` kept, run with that
-    file's module globals."""
+def pristine_methods(names: list[str] | None = None) -> list[tuple[type, str, object]]:
+    """(class, name, the pinned release's function) for each of ``PRISTINE`` (those
+    whose method is in ``names``, when given): the function as vLLM ships it, from the
+    original file ``apply.sh`` kept, run with that file's module globals."""
     import vllm
 
     from vllm_ddtree.manifest import ORIG_DIR_NAME
@@ -84,6 +86,8 @@ def pristine_methods() -> list[tuple[type, str, object]]:
     orig_root = Path(vllm.__file__).parent / ORIG_DIR_NAME
     found = []
     for module, cls_name, name in PRISTINE:
+        if names is not None and name not in names:
+            continue
         path = orig_root / (module.replace(".", "/") + ".py")
         if not path.is_file():
             raise SystemExit(f"{path} is missing: the series does not patch {module} here "
@@ -143,7 +147,8 @@ def time_steps(cfg, batch: int, warmup: int, steps: int, quality: float = 0.0,
 
 
 def measure(batch_sizes: list[int], warmup: int, steps: int, rounds: int,
-            drafting: int | None = None, quality: float = 0.0) -> list[dict]:
+            drafting: int | None = None, quality: float = 0.0,
+            pristine_names: list[str] | None = None) -> list[dict]:
     import pytest
 
     from tests.unit.test_ddtree_batch_defaults import patch_h200, write_models
@@ -153,7 +158,7 @@ def measure(batch_sizes: list[int], warmup: int, steps: int, rounds: int,
     models = write_models(Path(tempfile.mkdtemp()))
     kinds = ["plain", "ddtree"]
     configs = {kind: engine_config(models, kind, drafting) for kind in kinds}
-    methods = pristine_methods() if drafting is not None else None
+    methods = pristine_methods(pristine_names) if drafting is not None else None
     rows = []
     for batch in batch_sizes:
         runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
@@ -204,13 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=float, default=0.7,
                     help="with --drafting: the chance each next draft along the path is "
                          "accepted")
+    ap.add_argument("--pristine", nargs="+", metavar="METHOD",
+                    choices=[name for _, _, name in PRISTINE],
+                    help="with --drafting: put back only these of the patched methods "
+                         "(default: all of them)")
     args = ap.parse_args(argv)
     if args.drafting is not None and args.drafting < 1:
         ap.error(f"--drafting must be >= 1, got {args.drafting}")
     if not 0.0 <= args.quality < 1.0:
         ap.error(f"--quality must be in [0, 1), got {args.quality}")
+    put_back = [f"{c}.{m}" for _, c, m in PRISTINE if not args.pristine or m in args.pristine]
     rows = measure(args.batch_sizes, args.warmup, args.steps, args.rounds,
-                   args.drafting, args.quality if args.drafting is not None else 0.0)
+                   args.drafting, args.quality if args.drafting is not None else 0.0,
+                   args.pristine)
     doc = {"command": "python3 bench/scheduler_host.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "host": {"machine": platform.machine(), "processor": platform.processor(),
@@ -223,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"decode step (median): plain decoding, DDTree verifying "
                     f"{args.drafting} drafts a request every step (each next draft "
                     f"accepted with chance {args.quality}), and the same with the "
-                    f"pinned release's own {', '.join(c + '.' + m for _, c, m in PRISTINE)}"
-                    f" (ddtree-pristine), in turns"),
+                    f"pinned release's own {', '.join(put_back)} (ddtree-pristine), every "
+                    f"other step"),
            "rows": rows}
     write_result(args.out, doc)
     return 0

@@ -53,16 +53,22 @@ def test_drafting_mode_times_the_patched_methods_against_the_pinned_release(tmp_
     monkeypatch.setattr(arg_utils, "current_platform", arg_utils.current_platform)
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", vllm_config_module.HAS_TRITON)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
     patched = Scheduler._update_request_with_output
-    # The pinned release's own method, from the original file apply.sh kept.
-    [(cls, name, fn)] = scheduler_host.pristine_methods()
+    # The pinned release's own methods, from the original files apply.sh kept.
+    [(cls, name, fn), (stats_cls, stats_name, observe)] = scheduler_host.pristine_methods()
     assert cls is Scheduler and name == "_update_request_with_output"
     assert "first_stop" in inspect.getsource(patched)
     assert "first_stop" not in inspect.getsource(fn) and "check_stop" in fn.__globals__
+    assert stats_cls is SpecDecodingStats and stats_name == "observe_draft"
+    assert "_accepted_lengths" in inspect.getsource(SpecDecodingStats.observe_draft)
+    assert "_accepted_lengths" not in inspect.getsource(observe)
     out = tmp_path / "scheduler-host.json"
     assert scheduler_host.main(["--out", str(out), "--batch-sizes", "4", "--warmup", "50",
                                 "--steps", "100", "--rounds", "2", "--drafting", "4"]) == 0
     assert Scheduler._update_request_with_output is patched  # put back after each step
+    assert "_accepted_lengths" in inspect.getsource(SpecDecodingStats.observe_draft)
     [row] = json.loads(out.read_text())["rows"]
     # DDTree drafted in every step, each half of them on the pinned release's method.
     assert row["ddtree_drafted_steps"] == [100, 100]
