@@ -47,7 +47,11 @@ def time_observe(num_spec_tokens: int, batch: int, accept_rate: float, max_accep
             while a < max_accepted and rng.random() < accept_rate:
                 a += 1
             s.observe_draft(num_draft_tokens=num_spec_tokens, num_accepted_tokens=a)
-        stats.append(s)
+        # The per-position counts, as the scheduler's make_stats adds them up under
+        # patch metrics_spec-decode-stats-count-drafts-by-length-per (without the
+        # series observe_draft fills them as it goes).
+        finish = getattr(s, "finish", None)
+        stats.append(finish() if finish is not None else s)
     t0 = time.perf_counter()
     for i in range(steps):
         prom.observe(stats[i % len(stats)], 0)

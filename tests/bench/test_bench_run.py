@@ -1204,7 +1204,7 @@ def test_engine_spec_counters_read_each_engines_own_logger_with_several_alive():
         stats = SpecDecodingStats.new(num_spec)
         for draft, accepted in drafts:
             stats.observe_draft(draft, accepted)
-        prom.observe(stats, 0)
+        prom.observe(stats.finish(), 0)  # as the scheduler's make_stats hands it out
         manager = types.SimpleNamespace(stat_loggers=[
             types.SimpleNamespace(), types.SimpleNamespace(spec_decoding_prom=prom)])
         return types.SimpleNamespace(llm_engine=types.SimpleNamespace(logger_manager=manager),
