@@ -62,7 +62,7 @@ def scheduler(tmp_path_factory):
     return s
 
 
-def _request(rng: random.Random, i: int, repetition: bool = False):
+def _request(rng: random.Random, repetition: bool = False):
     """A sampling request with random limits, stop tokens and output so far, hashing
     its blocks (prefix caching's hasher) so that block hashes are compared too."""
     from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
@@ -81,7 +81,7 @@ def _request(rng: random.Random, i: int, repetition: bool = False):
                               if repetition else None),
     )
     params.update_from_generation_config({}, eos_token_id=rng.choice([None, 3, 6]))
-    request = Request(f"r{i}", prompt, params, None,
+    request = Request("r", prompt, params, None,
                       block_hasher=get_request_block_hasher(BLOCK, sha256))
     done = rng.randrange(0, max(1, max_tokens - 1))
     request.append_output_token_ids([rng.randrange(8, 12) for _ in range(done)])
@@ -113,7 +113,7 @@ def _compare(scheduler, seed: int, repetition: bool = False) -> set:
     until it stops; the same returns and request state after every step. Returns how
     it finished."""
     rng = random.Random(seed + 10_000)
-    a, b = (_request(random.Random(seed), 0, repetition) for _ in range(2))
+    a, b = (_request(random.Random(seed), repetition) for _ in range(2))
     while not a.is_finished():
         tokens = _tokens(rng)
         for r in (a, b):
