@@ -19,6 +19,12 @@ that change, acceptance that drifts, stalls, steps that prefill) to this tree's
 controller and REV's, each step's budget read from each one's own table, and counts
 the steps where their budgets, their answers to ``observe`` or their ``state()``
 differ: a rewrite meant to be exact (the same decisions, faster) shows 0.
+
+``--report`` (with ``--baseline``) times ``OnlineBudget.write_report`` instead: the
+controller's state rewritten to ``VLLM_DDTREE_BUDGET_REPORT`` (the benchmark's engines
+set it) inside the step that finds 2 s passed since the last report, after a serving
+engine's traffic (``--measured-buckets``'s) and a full step trace; this tree's method
+and REV's on the same object, in turns.
 """
 
 from __future__ import annotations
@@ -208,6 +214,51 @@ def same_decisions(tree_cls, baseline_cls, traces: int, steps: int) -> dict:
             "traces_that_differed": differing}
 
 
+def time_report(batch: int, writes: int, rounds: int, baseline_rev: str) -> dict:
+    """Microseconds of one ``write_report`` (the mean of ``writes``), this tree's and
+    ``baseline_rev``'s on one ``OnlineBudget`` fed a serving engine's traffic, in turns."""
+    import tempfile
+
+    from vllm_ddtree import env
+
+    baseline = module_at(baseline_rev, "vllm_ddtree/online_budget.py",
+                         "online_budget_baseline").OnlineBudget.write_report
+    path = os.path.join(tempfile.mkdtemp(), "online-budget.json")
+    saved = os.environ.get(env.BUDGET_REPORT.name)
+    os.environ[env.BUDGET_REPORT.name] = path
+    try:
+        rng = random.Random(0)
+        clock = types.SimpleNamespace(t=0.0)
+        ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
+        for n in MEASURED_BATCHES + (batch,):
+            for b in MEASURED_BUDGETS:
+                so, outs = _step(n, b, rng, 1, accepted=1)
+                for _ in range(300):
+                    clock.t += 0.003
+                    ob.observe(so, outs[0])
+    finally:
+        if saved is None:
+            os.environ.pop(env.BUDGET_REPORT.name, None)
+        else:
+            os.environ[env.BUDGET_REPORT.name] = saved
+    fns = {"tree": OnlineBudget.write_report, "baseline": baseline}
+    means: dict = {"tree": [], "baseline": []}
+    for r in range(rounds):
+        for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
+            t0 = time.perf_counter()
+            for _ in range(writes):
+                fns[name](ob, path)
+            means[name].append((time.perf_counter() - t0) / writes * 1e6)
+    with open(path) as f:
+        size = len(f.read())
+    return {"batch": batch, "writes": writes, "baseline": baseline_rev, "report_bytes": size,
+            "us_mean_tree": [round(x, 1) for x in means["tree"]],
+            "us_mean_baseline": [round(x, 1) for x in means["baseline"]],
+            "us_tree_median": round(statistics.median(means["tree"]), 1),
+            "us_baseline_median": round(statistics.median(means["baseline"]), 1),
+            **paired_ratios(means["tree"], means["baseline"])}
+
+
 def paired_ratios(tree: list[float], baseline: list[float]) -> dict:
     """Round by round this tree's figure over the baseline's, and their median."""
     ratios = [t / base for t, base in zip(tree, baseline)]
@@ -231,9 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                          "one (budgets 4, 0, 8, 0 in turn, nothing accepted), so that every "
                          "bucket holds measurements and is off, as in an engine that served "
                          "traffic where drafting does not pay")
+    ap.add_argument("--report", type=int, default=0, metavar="WRITES",
+                    help="with --baseline: time write_report instead (this many writes a "
+                         "round and batch size), this tree's against the baseline's")
     args = ap.parse_args(argv)
-    if args.same_decisions and not args.baseline:
-        ap.error("--same-decisions needs --baseline")
+    if (args.same_decisions or args.report) and not args.baseline:
+        ap.error("--same-decisions and --report need --baseline")
     cells = [(n, b) for n in args.batch_sizes for b in args.budgets]
     decisions = None
     if args.same_decisions:
@@ -241,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         decisions = same_decisions(BudgetController, controller_at(args.baseline),
                                    args.same_decisions, args.steps)
         print(json.dumps(decisions))
-    if args.baseline:
+    if args.report:
+        rows = [time_report(n, args.report, args.rounds, args.baseline)
+                for n in args.batch_sizes]
+    elif args.baseline:
         rows = compare(args.baseline, cells, args.steps, args.rounds, args.measured_buckets)
     else:
         rows = [time_observe(n, b, args.steps, measured_buckets=args.measured_buckets)
@@ -250,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                sys.argv[1:] if argv is None else argv),
            "host": {"machine": platform.machine(), "processor": platform.processor(),
                     "python": platform.python_version(), "cpus": os.cpu_count()},
-           "what": "host microseconds per step of OnlineBudget.observe + metrics()"
-                   + (f", this tree's controller against {args.baseline}'s in turns"
-                      if args.baseline else ""),
+           "what": (f"host microseconds of OnlineBudget.write_report, this tree's against "
+                    f"{args.baseline}'s in turns" if args.report else
+                    "host microseconds per step of OnlineBudget.observe + metrics()"
+                    + (f", this tree's controller against {args.baseline}'s in turns"
+                       if args.baseline else "")),
            "rows": rows}
     if decisions is not None:
         doc["same_decisions"] = decisions

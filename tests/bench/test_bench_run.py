@@ -1450,3 +1450,30 @@ def test_the_profiler_starts_the_cost8b_shape_as_the_benchmark(monkeypatch, tmp_
     llm = types.SimpleNamespace(generate=lambda prompts, sps, use_tqdm: got.extend(sps) or [])
     profile_step.generate(llm, [[1, 2]], 4, 0.0, dummy=True)
     assert got[0].detokenize is False
+
+
+def test_online_budget_host_times_the_report_against_a_baseline(tmp_path, monkeypatch):
+    """``--report``: both revisions' ``write_report`` rewrite one controller's report,
+    a whole JSON file holding the step trace; the environment is as it was; without
+    ``--baseline`` it is refused."""
+    import subprocess
+
+    from bench import online_budget_host as H
+    from vllm_ddtree import env
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.delenv(env.BUDGET_REPORT.name, raising=False)
+    out = tmp_path / "report.json"
+    assert H.main(["--out", str(out), "--batch-sizes", "1", "4", "--baseline", "HEAD",
+                   "--rounds", "2", "--report", "3"]) == 0
+    doc = json.loads(out.read_text())
+    assert "write_report" in doc["what"] and [r["batch"] for r in doc["rows"]] == [1, 4]
+    for r in doc["rows"]:
+        assert r["writes"] == 3 and r["report_bytes"] > 1000
+        assert len(r["us_mean_tree"]) == len(r["us_mean_baseline"]) == 2
+        assert r["tree_over_baseline_paired_median"] > 0
+    assert env.BUDGET_REPORT.name not in os.environ
+    with pytest.raises(SystemExit):
+        H.main(["--out", str(out), "--report", "3"])
