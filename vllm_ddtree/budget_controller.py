@@ -176,6 +176,8 @@ STALL_MIN_WEIGHT = 8.0
 STRETCH_CLIP = 0.15
 STRETCH_WINDOW = 64
 STRETCH_MAX_AGE = 256
+# Switches each bucket keeps, with the estimates they were decided on, for the report.
+SWITCH_LOG = 8
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
 # A bucket that is off and not probing is decided again every OFF_REFRESH_FACTOR
@@ -336,7 +338,8 @@ class _Bucket:
                  "probe_done", "probe_requests", "probe_seen", "probe_turn", "probed_at",
                  "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at", "cap_from",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
-                 "left_at", "recent_cost", "typical_cost", "typical_at", "typical_due")
+                 "left_at", "recent_cost", "typical_cost", "typical_at", "typical_due",
+                 "switch_log")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
@@ -380,6 +383,9 @@ class _Bucket:
         self.margin_scale = 1.0
         self.left: int | None = None
         self.left_at = 0
+        # The last SWITCH_LOG switches, each with the estimates it was decided on
+        # (BudgetController.switches).
+        self.switch_log: collections.deque = collections.deque(maxlen=SWITCH_LOG)
 
     def mean_batch(self) -> float | None:
         """The bucket's decayed mean batch size; None before its first step."""
@@ -1005,6 +1011,18 @@ class BudgetController:
         return self._set(i, bk.choice)
 
     def _switch(self, bk: _Bucket, budget: int) -> None:
+        est = bk.estimate
+        if est is not None:
+            pair = (self._index[bk.choice], self._index[budget])
+            bk.switch_log.append({
+                "step": self._step, "bucket_step": bk.steps, "from": bk.choice, "to": budget,
+                "margin_scale": bk.margin_scale, "mean_batch": round(est["batch"], 3),
+                **{key: [round(est[field][j], 4) for j in pair]
+                   for key, field in (("accepted", "accepted"), ("step_ms", "step_ms"),
+                                      ("tokens_per_s", "scores"))},
+                # What _better compared: the lower bound's scores from budget 0.
+                "compared": [round((est["weighed_lower"] if bk.choice == 0
+                                    else est["weighed"])[j], 2) for j in pair]})
         if budget == bk.left and bk.steps - bk.left_at <= FLAP_WINDOW_STEPS:
             bk.margin_scale = min(2.0 * bk.margin_scale, MAX_MARGIN_SCALE)
         elif budget != bk.left:
@@ -1279,6 +1297,16 @@ class BudgetController:
                 "tokens_per_s": {str(b): round(s, 2) for b, s in zip(self.levels, est["scores"])},
             }
         return out
+
+    def switches(self) -> dict[str, list[dict]]:
+        """Per bucket that switched, its last ``SWITCH_LOG`` switches: the controller's
+        step and the bucket's, the budgets ``from`` and ``to``, and the estimates the
+        switch was decided on, each as ``[from, to]`` (accepted, step_ms, tokens_per_s,
+        and ``compared``: the tokens/s the margins were applied to, drafting's divided
+        by ``1 + drafting_margin``, from budget 0 on the acceptance's lower bound). For
+        the report: why the engine drafted or not when it did."""
+        return {f"{bk.lo}-{bk.hi}": list(bk.switch_log)
+                for bk in self._buckets if bk.switch_log}
 
     def summary(self) -> dict:
         """What the ``/metrics`` gauges show (:mod:`vllm_ddtree.metrics`), per bucket

@@ -376,6 +376,7 @@ class OnlineBudget:
         state["by_sampling"] = by_sampling
         state["steps_observed"] = self.steps_observed
         state["budget_by_batch"] = table_ranges(self.lookup)
+        state["recent_switches"] = {c: ctl.switches() for c, ctl in self._active()}
         if self._trace is not None:
             state["recent_steps"] = {
                 "fields": ["batch", "budget", "drafted_budget", "requests_sampled",

@@ -190,6 +190,31 @@ def test_switches_off_when_acceptance_collapses_within_bound():
     assert ctl.state()["buckets"]["2-3"]["choice"] == 0
 
 
+def test_the_switches_keep_the_estimates_they_were_decided_on():
+    """switches(): each bucket's last SWITCH_LOG switches, from and to, with the
+    estimates at the time; the one that turned drafting off saw budget 0 ahead by the
+    margin in what it compared, and it is the bucket's last."""
+    from vllm_ddtree.budget_controller import SWITCH_LOG
+
+    ctl = controller()
+    eng = Engine(ctl, seed=1)
+    eng.run(1500, 2)
+    eng.run_choices(2000, 2, quality=0.05)
+    log = ctl.switches()["2-3"]
+    assert 1 <= len(log) <= SWITCH_LOG
+    assert len(log) == min(ctl.state()["buckets"]["2-3"]["switches"], SWITCH_LOG)
+    off = log[-1]
+    assert off["to"] == 0 and off["from"] > 0
+    assert off["step"] <= ctl._step and off["bucket_step"] <= off["step"]
+    assert off["compared"][1] > (1 + ctl.margin * off["margin_scale"]) * off["compared"][0]
+    assert off["accepted"][1] == 0.0 and off["step_ms"][1] < off["step_ms"][0]
+    for entry in log:
+        assert set(entry) == {"step", "bucket_step", "from", "to", "margin_scale",
+                              "mean_batch", "accepted", "step_ms", "tokens_per_s", "compared"}
+    # Switches are recorded as they happen: every entry's "from" is its predecessor's "to".
+    assert all(a["to"] == b["from"] for a, b in zip(log, log[1:]))
+    assert json.loads(json.dumps(ctl.switches())) == ctl.switches()
+
 def test_probes_back_off_while_acceptance_stays_bad():
     ctl = controller()
     eng = Engine(ctl, seed=2)

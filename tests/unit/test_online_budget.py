@@ -165,6 +165,10 @@ def test_the_scheduler_turns_drafting_off_when_nothing_is_accepted(models, h200)
     tail = verified[-200:]
     assert sum(1 for v in tail if v) / len(tail) < 0.1, tail
     assert s.dynamic_sd_lookup[4] == 0 or s.ddtree_budget.controller.choice_for(4) == 0
+    # The report says why: the sampled class's switch off, with its estimates.
+    switches = s.ddtree_budget.state()["recent_switches"]
+    assert set(switches) == {"sampled"}
+    assert switches["sampled"]["4-7"][-1]["to"] == 0
 
 
 def test_the_scheduler_drafts_when_drafts_are_accepted_and_comes_back(models, h200):
