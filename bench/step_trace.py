@@ -12,7 +12,9 @@ that prefill, and decode steps before the batch first reaches its largest size, 
 neither phase (``prefill_steps`` counts the former).
 
 The trace holds the engine's last steps, so it describes the last cells the engine ran:
-run the cell of interest last (``GOALS_BATCH_SIZES``, ``GOALS_TEMPERATURES``).
+run the cell of interest last (``GOALS_BATCH_SIZES``, ``GOALS_TEMPERATURES``). Below the
+table, each bucket's last switches (``recent_switches``, where the report has them): when
+the controller turned a budget on or off, and the estimates it decided on.
 
     python3 bench/step_trace.py bench/results/<dir>/bench-goals-<tag>.json.gz [--json]
 """
@@ -124,6 +126,26 @@ def summarize(doc: dict) -> list[dict]:
     return out
 
 
+def switches(doc: dict) -> list[dict]:
+    """Every switch the engines' reports kept (``recent_switches``: per sampling class
+    and bucket), in the order they happened, with its engine, class and bucket."""
+    out = []
+    for eng in doc.get("engines", []):
+        per_class = (eng.get("online_budget") or {}).get("recent_switches") or {}
+        for cls, buckets in per_class.items():
+            for bucket, log in buckets.items():
+                out += [{"config": eng.get("config"), "round": eng.get("round", 0),
+                         "class": cls, "bucket": bucket, **entry} for entry in log]
+    return sorted(out, key=lambda e: (e["config"], e["round"], e["step"]))
+
+
+def switch_lines(entries: list[dict]) -> str:
+    return "\n".join(
+        f"{e['config']} r{e['round']} {e['class']} {e['bucket']}: step {e['step']}, "
+        f"budget {e['from']} -> {e['to']} (accepted {e['accepted']}, step ms "
+        f"{e['step_ms']}, tokens/s compared {e['compared']})" for e in entries)
+
+
 def table(summary: list[dict]) -> str:
     lines = ["| engine | wave | requests | full: steps / ms / tok per ms / budgets "
              "| tail: steps / ms / tok per ms / budgets | tail share of ms |",
@@ -145,11 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("result", help="a bench/run.py result file (.json or .json.gz)")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
-    summary = summarize(load(args.result))
+    doc = load(args.result)
+    summary = summarize(doc)
     if not summary:
         print(f"{args.result}: no engine kept a step trace", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=1) if args.json else table(summary))
+    switched = switches(doc)
+    if args.json:
+        print(json.dumps({"engines": summary, "switches": switched}, indent=1))
+    else:
+        print(table(summary))
+        if switched:
+            print("\nSwitches (the reports' last per bucket):\n" + switch_lines(switched))
     return 0
 
 

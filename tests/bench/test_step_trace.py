@@ -70,7 +70,28 @@ def test_the_table_and_the_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| ddtree-b64-t512 r0 | 0 | 4 | 5 / 15.0 /" in out
     assert T.main([str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["waves"][0]["tail"]["steps"] == 2
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["engines"][0]["waves"][0]["tail"]["steps"] == 2
+    assert printed["switches"] == []
+
+
+def test_the_switches_the_report_kept_are_listed_in_order(tmp_path, capsys):
+    doc = _doc(_wave(4, 5, [2, 1]))
+    entry = {"bucket_step": 3, "margin_scale": 1.0, "mean_batch": 4.0,
+             "accepted": [0.0, 1.2], "step_ms": [2.0, 3.0],
+             "tokens_per_s": [2000.0, 2933.0], "compared": [2000.0, 2666.4]}
+    doc["engines"][1]["online_budget"]["recent_switches"] = {
+        "sampled": {"4-7": [dict(entry, step=90, **{"from": 4, "to": 0})]},
+        "greedy": {"1-1": [dict(entry, step=12, **{"from": 0, "to": 4})]}}
+    listed = T.switches(doc)
+    assert [(e["class"], e["bucket"], e["step"]) for e in listed] == [
+        ("greedy", "1-1", 12), ("sampled", "4-7", 90)]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    assert T.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ddtree-b64-t512 r0 greedy 1-1: step 12, budget 0 -> 4" in out
+    assert out.index("greedy 1-1") < out.index("sampled 4-7")
 
 
 def test_a_file_without_a_trace_is_an_error(tmp_path, capsys):
