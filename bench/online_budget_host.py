@@ -84,18 +84,25 @@ MEASURED_BATCHES = (64, 16, 4, 2)
 MEASURED_BUDGETS = (4, 0, 8, 0)
 
 
-def time_observe(batch: int, budget: int, steps: int, seed: int = 0,
-                 measured_buckets: bool = False) -> dict:
-    rng = random.Random(seed)
+def online_budget(rng: random.Random, measured_batch: int | None = None):
+    """(OnlineBudget, its clock) on the controller's own clock; with ``measured_batch``,
+    fed the ``--measured-buckets`` traffic first, that batch size last."""
     clock = types.SimpleNamespace(t=0.0)
     ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
-    if measured_buckets:
-        for n in MEASURED_BATCHES + (batch,):
+    if measured_batch is not None:
+        for n in MEASURED_BATCHES + (measured_batch,):
             for b in MEASURED_BUDGETS:
                 so, outs = _step(n, b, rng, 1, accepted=1)
                 for _ in range(300):
                     clock.t += 0.003
                     ob.observe(so, outs[0])
+    return ob, clock
+
+
+def time_observe(batch: int, budget: int, steps: int, seed: int = 0,
+                 measured_buckets: bool = False) -> dict:
+    rng = random.Random(seed)
+    ob, clock = online_budget(rng, batch if measured_buckets else None)
     so, outs = _step(batch, budget, rng)
     per_call = []
     for i in range(steps):
@@ -227,15 +234,7 @@ def time_report(batch: int, writes: int, rounds: int, baseline_rev: str) -> dict
     saved = os.environ.get(env.BUDGET_REPORT.name)
     os.environ[env.BUDGET_REPORT.name] = path
     try:
-        rng = random.Random(0)
-        clock = types.SimpleNamespace(t=0.0)
-        ob = OnlineBudget(_config(64, 15, 1024), None, 1024, clock=lambda: clock.t)
-        for n in MEASURED_BATCHES + (batch,):
-            for b in MEASURED_BUDGETS:
-                so, outs = _step(n, b, rng, 1, accepted=1)
-                for _ in range(300):
-                    clock.t += 0.003
-                    ob.observe(so, outs[0])
+        ob, _ = online_budget(random.Random(0), batch)
     finally:
         if saved is None:
             os.environ.pop(env.BUDGET_REPORT.name, None)
