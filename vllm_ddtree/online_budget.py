@@ -369,7 +369,8 @@ class OnlineBudget:
 
     def state(self) -> dict:
         """The current class's controller state (:meth:`BudgetController.state`), the
-        scheduler's table, and every class's state under ``by_sampling``."""
+        scheduler's table, every class's state under ``by_sampling`` and its buckets'
+        last switches under ``recent_switches`` (:meth:`BudgetController.switches`)."""
         by_sampling = {c: ctl.state() for c, ctl in self._active()}
         state = dict(by_sampling.get(self.sampling_class) or self.controller.state())
         state["sampling_class"] = self.sampling_class
