@@ -180,17 +180,8 @@ fused_tests() {
 # converted pair, results in $OUT/bench-NAME.json, log in $OUT/bench-NAME.log, the
 # result lines (and any skipped or failed engine) echoed.
 fixture_bench() {
-  local name=$1 limit=$2 stray
+  local name=$1 limit=$2
   shift 2
-  # A benchmark of an earlier step whose shell was killed (an outer `timeout` stops the
-  # shell, not its python3) still holds GPU memory, and this step's engines would fail
-  # to start: stop here instead, naming it. Bound steps with BENCH_BUDGET_S.
-  stray=$(pgrep -f "python3 bench/run.py" | tr '\n' ' ' || true)
-  if [ -n "$stray" ]; then
-    echo "$name: a benchmark is still running (pids $stray), not starting another" \
-      "on the same GPU; wait for it or kill it" >&2
-    return 1
-  fi
   timeout "$limit" python3 bench/run.py --suite fixture --target "$TARGET" --drafter "$DRAFTER" \
     --data "$DATA" --out "$OUT/bench-$name.json" "$@" > "$OUT/bench-$name.log" 2>&1
   echo "$name bench rc=$?"; grep '^{\|skip\|failed\|cost model' "$OUT/bench-$name.log" | cut -c1-300
@@ -224,8 +215,23 @@ pack_out() {
 STEP="$(IFS=-; echo "$*")"
 trap pack_out EXIT
 
+# refuse_running_benchmark STEP: stop before STEP when a program of an earlier call's
+# step still runs (an outer `timeout` stops this shell, not its python3), which holds
+# GPU memory: this step's engines would fail to start. Bound steps with their own
+# budgets (BENCH_BUDGET_S, the *_TIMEOUT_S variables) instead.
+refuse_running_benchmark() {
+  local stray
+  stray=$(pgrep -f "python3 (bench/|-m )" | tr '\n' ' ' || true)
+  if [ -n "$stray" ]; then
+    echo "$1: a benchmark is still running (pids $stray), not starting another" \
+      "on the same GPU; wait for it or kill it" >&2
+    exit 1
+  fi
+}
+
 # Several steps may share one device call: `bash bench/gpu_session.sh checks profile`.
 for step in "$@"; do
+refuse_running_benchmark "$step"
 case "$step" in
   checks)
     prepare
