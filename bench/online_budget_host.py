@@ -248,9 +248,8 @@ def time_report(batch: int, writes: int, rounds: int, baseline_rev: str) -> dict
             for _ in range(writes):
                 fns[name](ob, path)
             means[name].append((time.perf_counter() - t0) / writes * 1e6)
-    with open(path) as f:
-        size = len(f.read())
-    return {"batch": batch, "writes": writes, "baseline": baseline_rev, "report_bytes": size,
+    return {"batch": batch, "writes": writes, "baseline": baseline_rev,
+            "report_bytes": os.path.getsize(path),
             "us_mean_tree": [round(x, 1) for x in means["tree"]],
             "us_mean_baseline": [round(x, 1) for x in means["baseline"]],
             "us_tree_median": round(statistics.median(means["tree"]), 1),
