@@ -45,18 +45,37 @@ def deferral_capacity(max_num_reqs: int, graph_sizes: Sequence[int] = ()) -> int
 
 
 class DeferredContext:
-    """Pending context entries in persistent buffers; the count is kept on the host
-    (each step's token count is), so appending and flushing never synchronise."""
+    """Pending context entries in one persistent buffer; the count is kept on the host
+    (each step's token count is), so appending and flushing never synchronise.
 
-    def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device):
+    Each row holds a token's auxiliary states, then its position and its drafter slot
+    in each slot row, the int64 index reinterpreted as the states' dtype
+    (``8 // itemsize`` columns each): one ``torch.cat`` writes a step's entries, one
+    kernel launch where a separate index buffer took a second (``torch.stack``). A
+    budget-0 step at batch 1 of a small target is host-bound, and a launch is its cost.
+    """
+
+    def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device,
+                 max_slot_rows: int = 1):
         if capacity < 1:
             raise ValueError(f"deferred context capacity must be >= 1 token, got {capacity}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if 8 % itemsize:
+            raise ValueError(f"the deferred context cannot hold int64 indices in {dtype} "
+                             f"columns ({itemsize}-byte elements)")
         self.capacity = capacity
-        self.states = torch.zeros(capacity, width, dtype=dtype, device=device)
+        self.width = width
+        self.dtype = dtype
         self.device = device
-        # [capacity, 1 + slot rows]: each entry's position, then its drafter slot in
-        # each slot row; sized at the first append, so that one kernel writes a step.
-        self.index: torch.Tensor | None = None
+        self._per_index = 8 // itemsize        # columns of one int64 index value
+        # Room for the slot rows a drafter can have (one per layer with per-layer KV
+        # groups), so that the rows are laid out again, not allocated, when the first
+        # append says how many it has: the buffer is allocated with the model, before
+        # vLLM sizes the KV cache from the memory left.
+        self._flat = torch.zeros(capacity * self._row_width(max(1, max_slot_rows)),
+                                 dtype=dtype, device=device)
+        self.slot_rows = 0
+        self._lay_out(max(1, max_slot_rows))
         self.count = 0
         self.req_ids: tuple | None = None          # the requests the entries belong to
         self.flushes = 0
@@ -68,36 +87,59 @@ class DeferredContext:
         # buffers (the runner's persistent inputs and the target graphs' outputs), and
         # the views it writes are one per (offset, tokens); both are kept.
         self._sources: tuple | None = None
-        self._targets: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _row_width(self, slot_rows: int) -> int:
+        return self.width + (1 + slot_rows) * self._per_index
+
+    def _lay_out(self, slot_rows: int) -> None:
+        """Rows of this many slot rows over the flat buffer (grown if they do not fit)."""
+        cols = self._row_width(slot_rows)
+        if self.capacity * cols > self._flat.numel():
+            self._flat = torch.zeros(self.capacity * cols, dtype=self.dtype, device=self.device)
+        self.rows = self._flat[:self.capacity * cols].view(self.capacity, cols)
+        self.states = self.rows[:, :self.width]
+        self.slot_rows = slot_rows
+        self._targets = {}
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.capacity
 
+    def _as_columns(self, index: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64 as ``[n, 8 // itemsize]`` of the buffer's dtype (same bytes)."""
+        if index.dtype != torch.int64:
+            index = index.to(torch.int64)
+        return index.unsqueeze(1).view(self.dtype)
+
     def _source_views(self, n: int, aux_hidden_states: Sequence[torch.Tensor],
                       positions: torch.Tensor, slot_rows: Sequence[torch.Tensor]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The first ``n`` rows of each input: the last append's views when every input
-        starts where it did then (the same memory: the cache keeps those tensors alive,
-        so no other tensor can start there)."""
+                      ) -> list[torch.Tensor]:
+        """The first ``n`` rows of each input, the indices as the buffer's columns: the
+        last append's views when every input starts where it did then (the same memory:
+        the cache keeps those tensors alive, so no other tensor can start there)."""
         key = [n, positions.data_ptr(), *[h.data_ptr() for h in aux_hidden_states],
                *[r.data_ptr() for r in slot_rows]]
         cached = self._sources
         if cached is not None and cached[0] == key:
-            return cached[1], cached[2]
-        states = [h[:n] for h in aux_hidden_states]
-        index = [positions[:n], *(row[:n] for row in slot_rows)]
+            return cached[1]
+        views = [h[:n] if h.dtype == self.dtype else h[:n].to(self.dtype)
+                 for h in aux_hidden_states]
+        views += [self._as_columns(x[:n]) for x in (positions, *slot_rows)]
+        if (any(x.dtype != torch.int64 for x in (positions, *slot_rows))
+                or any(h.dtype != self.dtype for h in aux_hidden_states)):
+            # Converted copies, not views: read anew every step.
+            return views
         # The inputs themselves are kept too, so that their memory stays theirs.
-        self._sources = (key, states, index, (aux_hidden_states, positions, slot_rows))
-        return states, index
+        self._sources = (key, views, (aux_hidden_states, positions, slot_rows))
+        return views
 
-    def _target_views(self, c: int, n: int, index: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        views = self._targets.get((c, n))
-        if views is None:
+    def _target_view(self, c: int, n: int) -> torch.Tensor:
+        view = self._targets.get((c, n))
+        if view is None:
             if len(self._targets) >= 4 * self.capacity:
                 self._targets.clear()
-            views = self._targets[(c, n)] = (self.states[c:c + n], index[c:c + n])
-        return views
+            view = self._targets[(c, n)] = self.rows[c:c + n]
+        return view
 
     def append(self, req_ids: Sequence, aux_hidden_states: Sequence[torch.Tensor],
                positions: torch.Tensor, slot_rows: Sequence[torch.Tensor],
@@ -115,17 +157,12 @@ class DeferredContext:
             self.flush(store)
         self.req_ids = ids
         c = self.count
-        index = self.index
-        if index is None or index.shape[1] != 1 + len(slot_rows):
+        if len(slot_rows) != self.slot_rows:
             if c:
                 raise AssertionError("the drafter's slot rows changed with entries pending")
-            index = self.index = torch.zeros(self.capacity, 1 + len(slot_rows),
-                                             dtype=torch.int64, device=self.device)
-            self._targets.clear()
-        states_in, index_in = self._source_views(n, aux_hidden_states, positions, slot_rows)
-        states_out, index_out = self._target_views(c, n, index)
-        torch.cat(states_in, dim=-1, out=states_out)
-        torch.stack(index_in, dim=1, out=index_out)
+            self._lay_out(len(slot_rows))
+        sources = self._source_views(n, aux_hidden_states, positions, slot_rows)
+        torch.cat(sources, dim=-1, out=self._target_view(c, n))
         self.count = c + n
 
     def flush(self, store: Callable) -> int:
@@ -134,8 +171,9 @@ class DeferredContext:
         Returns the number of tokens stored."""
         n = self.count
         if n:
-            index = self.index[:n].t().contiguous()
-            store(self.states[:n], index[0], list(index[1:]))
+            rows = self.rows[:n]
+            index = rows[:, self.width:].contiguous().view(torch.int64).t().contiguous()
+            store(rows[:, :self.width], index[0], list(index[1:]))
             self.flushes += 1
             self.flushed_tokens += n
         self.count = 0

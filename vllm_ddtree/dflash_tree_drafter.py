@@ -207,9 +207,12 @@ class DDTreeSpeculator(DFlashSpeculator):
                 logger.info("DDTree: the drafter takes no auxiliary hidden states, so its "
                             "context is stored every step while drafting is off")
                 return
+            # A slot row per drafter layer at most (per-layer KV groups).
+            layers = getattr(getattr(self.model, "model", None), "layers", None)
             self._deferred = DeferredContext(
                 deferral_capacity(self.max_num_reqs, self._context_graph_sizes()),
-                width, self.dtype, self.device)
+                width, self.dtype, self.device,
+                max_slot_rows=len(layers) if layers is not None else 1)
             logger.info("DDTree: the drafter's context is deferred while drafting is off "
                         "(buffer of %d tokens)", self._deferred.capacity)
 

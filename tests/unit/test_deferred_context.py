@@ -20,7 +20,7 @@ class FakeCache:
 
     def store(self, states, positions, slot_rows):
         self.calls.append(states.shape[0])
-        value = states.sum(-1) * 1000 + positions.to(states.dtype)
+        value = states.float().sum(-1) * 1000 + positions.float()
         for layer, slots in enumerate(slot_rows):
             self.kv[layer, slots] = value
 
@@ -135,3 +135,58 @@ def test_the_buffer_grows_to_the_largest_context_store_graph_up_to_a_cap():
     assert deferral_capacity(64, [1, 8, 1024]) == 1024
     assert deferral_capacity(64, [1, 8, 4096]) == MAX_GRAPH_TOKENS == 1024
     assert deferral_capacity(512, [1, 8, 1024]) == 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_indices_keep_every_bit_in_the_states_columns(dtype):
+    """Positions and slots ride in the states' buffer as raw bytes: negative slots
+    (vLLM's padding -1, whose bytes are a NaN in every float dtype) and values past
+    any float's exact range come back unchanged, and the states are the step's."""
+    buf = DeferredContext(8, 4, dtype, torch.device("cpu"), max_slot_rows=2)
+    got = []
+    positions = torch.tensor([0, 2**40 + 3, -1], dtype=torch.int64)
+    rows = [torch.tensor([-1, 7, 2**62 + 1]), torch.tensor([5, -2**63, 0])]
+    aux = [torch.arange(6, dtype=dtype).view(3, 2), -torch.arange(6, dtype=dtype).view(3, 2)]
+    buf.append(["a", "b", "c"], aux, positions, rows,
+               lambda s, p, sl: got.append((s.clone(), p.clone(), [x.clone() for x in sl])))
+    buf.flush(lambda s, p, sl: got.append((s.clone(), p.clone(), [x.clone() for x in sl])))
+    states, pos, slots = got[0]
+    assert torch.equal(states, torch.cat(aux, dim=-1))
+    assert torch.equal(pos, positions)
+    assert len(slots) == 2 and all(torch.equal(a, b) for a, b in zip(slots, rows))
+
+
+def test_an_append_is_one_copy_and_fewer_slot_rows_reuse_the_buffer():
+    """A step's entries are written by one op (``cat``), no ``stack`` or second copy;
+    the first append's slot-row count lays the rows out over the buffer allocated at
+    start-up (allocated with the model, before vLLM sizes the KV cache)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    buf = DeferredContext(4, 6, torch.bfloat16, torch.device("cpu"), max_slot_rows=4)
+    flat = buf._flat
+    aux_bufs = [torch.randn(8, 3).to(torch.bfloat16) for _ in range(2)]
+    pos_buf = torch.arange(8)
+    slot_buf = torch.arange(16).view(2, 8)
+    cache = FakeCache()
+    buf.append(["a", "b"], [b[:2] for b in aux_bufs], pos_buf[:2], [slot_buf[0]], cache.store)
+    assert buf._flat is flat and buf.slot_rows == 1 and buf.rows.shape == (4, 6 + 2 * 4)
+    # Two more steps: the buffer fills, flushes, and every offset has been written once.
+    for _ in range(2):
+        buf.append(["a", "b"], [b[:2] for b in aux_bufs], pos_buf[:2], [slot_buf[0]],
+                   cache.store)
+    # The runner's next step: new views of the same buffers (made before, as the
+    # runner makes them); the append reuses its views of them and of its buffer.
+    step = ([b[:2] for b in aux_bufs], pos_buf[:2], [slot_buf[0]])
+    with Ops() as ops:
+        buf.append(["a", "b"], *step, cache.store)
+    assert ops.names == ["cat"]
+    assert buf.count == 4 and cache.calls == [4]
