@@ -14,19 +14,15 @@ recomputed on the CPU for differences a file has none for):
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.result_files import dumps_rows, read_json  # noqa: E402
+
 KEY = ("target", "method", "config", "vllm_version", "dtype", "graphs", "batch",
        "temperature", "top_k", "top_p", "seeded", "sampling", "scenario", "tp", "executor")
-
-
-def read_result(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return json.load(f)
 
 
 def explained(near_ties: list[dict], case: dict) -> int:
@@ -45,12 +41,11 @@ def gather(paths: list[str], allow_partial: bool = False,
            margins: list[str] | None = None) -> dict:
     extra: dict[str, list[dict]] = {}
     for mpath in margins or []:
-        with open(mpath, encoding="utf-8") as f:
-            for m in json.load(f)["margins"]:
-                extra.setdefault(m["result_file"], []).append(m)
+        for m in read_json(mpath)["margins"]:
+            extra.setdefault(m["result_file"], []).append(m)
     cases: dict[tuple, dict] = {}
     for path in paths:
-        result = read_result(path)
+        result = read_json(path)
         near_ties = (result.get("near_ties") or []) + extra.get(os.path.basename(path), [])
         complete = bool(result.get("complete", False))
         if not complete and not allow_partial:
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="near-tie margins recomputed for these files (bench/recompute_margins.py)")
     args = parser.parse_args(argv)
     table = gather(args.results, args.allow_partial, args.margins)
-    text = json.dumps(table, indent=1) + "\n"
+    text = dumps_rows(table, "cases")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)

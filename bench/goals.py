@@ -42,7 +42,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.result_files import read_json  # noqa: E402
+from bench.result_files import dumps_rows, read_json  # noqa: E402
 
 GOAL_RATIO = 0.97
 
@@ -252,14 +252,6 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dumps(doc: dict) -> str:
-    """The summary as JSON with one line per top-level field and per cell: a cell's
-    change is one line of a diff, and the file stays a fraction of its indented size."""
-    fields = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items() if k != "cells"]
-    cells = ",\n".join(f"  {json.dumps(c)}" for c in doc.get("cells", []))
-    return "{\n" + ",\n".join(fields + [f' "cells": [\n{cells}\n ]']) + "\n}\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", help="bench/run.py result JSON(s), .json or .json.gz")
@@ -285,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
            "goal": f"DDTree >= {GOAL_RATIO}x the better of plain decoding and the chain",
            "cells": cells}
     with open(args.out, "w") as f:
-        f.write(dumps(doc))
+        f.write(dumps_rows(doc, "cells"))
     if args.table:
         with open(args.table, "w") as f:
             f.write(table(cells))

@@ -537,11 +537,15 @@ def gumbel_noise(seed: int, pos: int, tokens: list[int], vocab_size: int) -> lis
 NEAR_TIE_MAX_MARGIN = 1e-2
 
 
-def margin_not_recomputable(mode: str, request: int) -> str | None:
-    """Why the first difference of ``request`` in sampling ``mode`` cannot be recomputed
-    from its prompt and common prefix alone (None: it can)."""
-    if SAMPLING_MODES[mode].get("min_tokens"):
-        return "min_tokens counts the output: the recomputation would need its length too"
+def margin_not_recomputable(mode: str, request: int, token: int) -> str | None:
+    """Why the first difference of ``request`` in sampling ``mode``, at output token
+    ``token``, cannot be recomputed from its prompt and common prefix alone (None: it
+    can). ``min_tokens`` masks stop tokens only before that many output tokens: from
+    there on a position is sampled as without it."""
+    min_tokens = SAMPLING_MODES[mode].get("min_tokens")
+    if min_tokens and token < min_tokens:
+        return (f"token {token} lies before min_tokens ({min_tokens}), where stop tokens "
+                f"were masked")
     if mode == "seeded-features" and FEATURE_CYCLE[request % len(FEATURE_CYCLE)]:
         return "penalties and grammars count the output, not a prompt"
     return None
@@ -586,9 +590,10 @@ def near_tie_margins(llm, prompts, results: dict,
             if ref is None or out_token is None or ref_token is None:
                 continue  # a length difference has no competing token
             base = prompts[i]["prompt_token_ids"]
-            if margin_not_recomputable(mode, i):
+            if margin_not_recomputable(mode, i, d):
                 continue
             kw = dict(SAMPLING_MODES[mode])
+            kw.pop("min_tokens", None)  # past min_tokens (above): no longer in effect
             kw.pop("logprobs", None)  # the two tokens' logprobs are asked by id below
             kw.pop("prompt_logprobs", None)
             seed = request_seed(mode, i)

@@ -29,7 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.equivalence import read_result  # noqa: E402
+from bench.result_files import read_json  # noqa: E402
 from bench.gpu_checks import (NEAR_TIE_MAX_MARGIN, SAMPLING_MODES,  # noqa: E402
                               margin_not_recomputable, sampling_margin)
 ENGINE = "transformers float32 on the CPU; vLLM's Gumbel noise through Triton's interpreter"
@@ -129,7 +129,7 @@ class Recomputer:
         entry.update(reference_token=ref_token, output_token=out_token)
         if out_token is None or ref_token is None:
             return dict(entry, margin=None, note="a length difference: no competing token")
-        reason = margin_not_recomputable(mode, i)
+        reason = margin_not_recomputable(mode, i, d)
         if reason:
             return dict(entry, margin=None, note=reason)
         ref = _reference(doc, run, i)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     rc = Recomputer(a.target, a.data)
     found = []
     for path in a.results:
-        doc = read_result(path)
+        doc = read_json(path)
         for run, diff in missing(doc):
             entry = dict(rc.margin(doc, run, diff), result_file=os.path.basename(path))
             found.append(entry)

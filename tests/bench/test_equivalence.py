@@ -65,6 +65,13 @@ def test_gather_keeps_the_newest_case_per_key_and_names_its_file(tmp_path):
     assert (table["summary"]["ddtree_identical"], table["summary"]["ddtree_total"]) == (17, 17)
     by_batch = {c["batch"]: c for c in table["cases"]}
     assert by_batch[16]["result_file"] == "b.json.gz" and by_batch[1]["result_file"] == "a.json.gz"
+    # The file: one line per case (a case's change is one line of a diff).
+    out = tmp_path / "equivalence.json"
+    assert equivalence.main([str(tmp_path / "a.json.gz"), str(tmp_path / "b.json.gz"),
+                             "--out", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    assert json.loads(out.read_text()) == table
+    assert sum(line.startswith('  {"target"') for line in lines) == 2 and len(lines) == 8
 
 
 def test_gather_refuses_an_incomplete_run(tmp_path):

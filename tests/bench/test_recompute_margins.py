@@ -100,3 +100,16 @@ def test_the_sampling_margin_adds_the_noise_at_the_requests_key():
     assert (m["noise_reference"], m["noise_output"]) == (0.30, 0.10)
     assert m["near_tie"] == (abs(m["margin"]) <= NEAR_TIE_MAX_MARGIN)
     assert not sampling_margin("seeded", 3, 50, 0.5, 7, 9, noise)["near_tie"]
+
+
+def test_a_min_tokens_difference_is_recomputable_from_min_tokens_on():
+    """Before min_tokens the run masked stop tokens, which a recomputation from the
+    prompt and prefix alone does not know; from there on the position is sampled as
+    without the setting, so its margin is the seeded one."""
+    from bench.gpu_checks import SAMPLING_MODES, margin_not_recomputable
+
+    n = SAMPLING_MODES["seeded-min-tokens"]["min_tokens"]
+    assert "before min_tokens" in margin_not_recomputable("seeded-min-tokens", 4, n - 1)
+    assert margin_not_recomputable("seeded-min-tokens", 4, n) is None
+    assert margin_not_recomputable("seeded", 4, 0) is None
+    assert margin_not_recomputable("seeded-features", 1, 50) is not None
