@@ -16,9 +16,10 @@ timed too, spread over the steps), and the tree reset after one drafting step.
 ``--baseline REV`` also times the two modules (``vllm_ddtree/deferred_context.py``,
 ``vllm_ddtree/tree_verifier.py``) of git revision REV, the two taken in turns for
 ``--rounds`` rounds, and reports each cell's median of the paired ratios this tree /
-REV. On a CPU the copies themselves run on the host (tiny here); on a GPU host each
-is a kernel launch instead, so the figures are the Python and dispatch share, not a
-GPU host's step time.
+REV. On CPU tensors (the default) the copies themselves run on the host; with
+``--device cuda`` every tensor is on the GPU, each copy is a kernel launch as in the
+engine, and the figure is the host time of those launches (the GPU is synchronised
+only at the end of each timed loop, as the engine's budget-0 steps never wait for it).
 """
 
 from __future__ import annotations
@@ -55,31 +56,40 @@ def modules(rev: str | None):
             module_at(rev, "vllm_ddtree/tree_verifier.py", f"tree_verifier_{tag}").TreeVerifier)
 
 
-def time_budget0_steps(deferred_cls, verifier_cls, batch: int, steps: int) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_budget0_steps(deferred_cls, verifier_cls, batch: int, steps: int,
+                       device: str = "cpu") -> dict:
     """Microseconds a step of ``append`` + ``clear_trees`` over ``steps`` budget-0
     steps of ``batch`` requests, after one drafting step stored their trees."""
+    dev = torch.device(device)
     max_tokens = 1024
-    aux_out = [torch.zeros(max_tokens, HIDDEN, dtype=torch.bfloat16) for _ in range(AUX_LAYERS)]
-    positions_buf = torch.zeros(max_tokens, dtype=torch.int64)
-    slot_mappings = torch.zeros(1, max_tokens, dtype=torch.int64)
+    aux_out = [torch.zeros(max_tokens, HIDDEN, dtype=torch.bfloat16, device=dev)
+               for _ in range(AUX_LAYERS)]
+    positions_buf = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+    slot_mappings = torch.zeros(1, max_tokens, dtype=torch.int64, device=dev)
     slot_rows = (slot_mappings[0],)
     deferred = deferred_cls(max(256, 4 * MAX_NUM_SEQS), AUX_LAYERS * HIDDEN, torch.bfloat16,
-                            torch.device("cpu"))
-    verifier = verifier_cls(MAX_NUM_SEQS, 64, 15, max_tokens, "cpu", False)
+                            dev)
+    verifier = verifier_cls(MAX_NUM_SEQS, 64, 15, max_tokens, dev, False)
     req_ids = [f"req-{i}" for i in range(batch)]
-    idx = torch.arange(batch, dtype=torch.int32)
+    idx = torch.arange(batch, dtype=torch.int32, device=dev)
     idx_np = np.arange(batch, dtype=np.int32)
     n = verifier.num_tree_nodes
     verifier.store_trees(SimpleNamespace(
-        node_tokens=torch.zeros(batch, n, dtype=torch.int64),
-        node_parents=torch.zeros(batch, n, dtype=torch.int32),
-        node_depths=torch.zeros(batch, n, dtype=torch.int32),
-        node_valid=torch.ones(batch, n, dtype=torch.bool)), idx, idx_np)
+        node_tokens=torch.zeros(batch, n, dtype=torch.int64, device=dev),
+        node_parents=torch.zeros(batch, n, dtype=torch.int32, device=dev),
+        node_depths=torch.zeros(batch, n, dtype=torch.int32, device=dev),
+        node_valid=torch.ones(batch, n, dtype=torch.bool, device=dev)), idx, idx_np)
     stored = [0]
 
     def store(states, positions, slots):
         stored[0] += states.shape[0]
 
+    _sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
         # What the runner hands a step: new views of its persistent buffers.
@@ -88,6 +98,7 @@ def time_budget0_steps(deferred_cls, verifier_cls, batch: int, steps: int) -> di
         deferred.append(req_ids, aux, positions, slot_rows, store)
         verifier.clear_trees(idx, idx_np)
     deferred.flush(store)
+    _sync(dev)
     elapsed = time.perf_counter() - t0
     # The views above are the runner's, made every step in either tree: their cost is
     # timed alone and taken off, so that the figure is ours.
@@ -98,19 +109,21 @@ def time_budget0_steps(deferred_cls, verifier_cls, batch: int, steps: int) -> di
     views = time.perf_counter() - t1
     if stored[0] != steps * batch:
         raise AssertionError(f"stored {stored[0]} context entries, expected {steps * batch}")
-    return {"batch": batch, "steps": steps,
+    return {"batch": batch, "steps": steps, "device": dev.type,
             "us_per_step": round((elapsed - views) / steps * 1e6, 2)}
 
 
-def compare(baseline: str, batches: list[int], steps: int, rounds: int) -> list[dict]:
+def compare(baseline: str, batches: list[int], steps: int, rounds: int,
+            device: str = "cpu") -> list[dict]:
     impls = {"tree": modules(None), "baseline": modules(baseline)}
     for impl in impls.values():  # first calls (allocations, dispatch caches) untimed
-        time_budget0_steps(*impl, batches[0], min(steps, 200))
+        time_budget0_steps(*impl, batches[0], min(steps, 200), device)
     means: dict = {b: {"tree": [], "baseline": []} for b in batches}
     for r in range(rounds):
         for name in (("tree", "baseline") if r % 2 == 0 else ("baseline", "tree")):
             for b in batches:
-                means[b][name].append(time_budget0_steps(*impls[name], b, steps)["us_per_step"])
+                means[b][name].append(
+                    time_budget0_steps(*impls[name], b, steps, device)["us_per_step"])
     return [{"batch": b, "baseline": baseline,
              "us_per_step_tree": m["tree"], "us_per_step_baseline": m["baseline"],
              "us_per_step_tree_median": round(statistics.median(m["tree"]), 2),
@@ -126,20 +139,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--baseline", help="git revision whose two modules to time against, in turns")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of turns with --baseline")
+    ap.add_argument("--device", default="cpu",
+                    help="where the tensors live: cpu (default) or cuda (each copy a launch)")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda")
+                                     and torch.cuda.is_available()):
+        raise SystemExit(f"--device {args.device}: no such device here "
+                         f"(cuda available: {torch.cuda.is_available()})")
     if args.baseline:
-        rows = compare(args.baseline, args.batch_sizes, args.steps, args.rounds)
+        rows = compare(args.baseline, args.batch_sizes, args.steps, args.rounds, args.device)
     else:
         impl = modules(None)
-        time_budget0_steps(*impl, args.batch_sizes[0], min(args.steps, 200))
-        rows = [time_budget0_steps(*impl, b, args.steps) for b in args.batch_sizes]
+        time_budget0_steps(*impl, args.batch_sizes[0], min(args.steps, 200), args.device)
+        rows = [time_budget0_steps(*impl, b, args.steps, args.device)
+                for b in args.batch_sizes]
     doc = {"command": "python3 bench/budget0_host.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
            "host": {"machine": platform.machine(), "processor": platform.processor(),
                     "python": platform.python_version(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None},
            "what": "host microseconds per budget-0 step of DeferredContext.append + "
-                   "TreeVerifier.clear_trees (CPU tensors)"
+                   f"TreeVerifier.clear_trees ({args.device} tensors)"
                    + (f", this tree's modules against {args.baseline}'s in turns"
                       if args.baseline else ""),
            "rows": rows}

@@ -1354,6 +1354,12 @@ def test_budget0_host_times_this_tree_against_a_baseline_in_turns(tmp_path):
 
     with pytest.raises(AssertionError, match="stored 0 context entries"):
         H.time_budget0_steps(Lossy, TreeVerifier, 2, 10)
+    # A device this machine lacks is refused by name before anything runs.
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: no such device here"):
+            H.main(["--out", str(out), "--device", "cuda"])
 
 
 def test_profile_kernel_comparison_names_what_the_other_step_adds():
