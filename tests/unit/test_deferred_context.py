@@ -137,6 +137,35 @@ def test_the_buffer_grows_to_the_largest_context_store_graph_up_to_a_cap():
     assert deferral_capacity(512, [1, 8, 1024]) == 2048
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_random_indices_over_the_whole_int64_range_survive_a_flush(dtype, device):
+    """Every int64 bit pattern (the NaN and infinity patterns of the states' dtype
+    among them) comes back from the rows as it went in, on the engine's device too,
+    after appends at successive offsets; the states are the steps' to the bit."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    buf = DeferredContext(64, 3 * 8, dtype, dev, max_slot_rows=2)
+    aux = [torch.randn(64, 8, device=dev, generator=g).to(dtype) for _ in range(3)]
+    pos = torch.randint(-2**62, 2**62, (64,), device=dev, generator=g)
+    rows = [torch.randint(-2**63, 2**63 - 1, (64,), device=dev, generator=g) for _ in range(2)]
+    rows[0][:8] = -1
+    got = []
+    for k in range(4):
+        step = slice(16 * k, 16 * k + 16)
+        buf.append([f"r{i}" for i in range(16)], [a[step] for a in aux], pos[step],
+                   [r[step] for r in rows], got.append)
+    buf.flush(lambda s, p, sl: got.append((s.clone(), p.clone(), [x.clone() for x in sl])))
+    states, positions, slots = got[0]
+    bits = {2: torch.int16, 4: torch.int32}[states.element_size()]
+    assert torch.equal(states.contiguous().view(bits), torch.cat(aux, -1).view(bits))
+    assert torch.equal(positions, pos) and all(torch.equal(a, b) for a, b in zip(slots, rows))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_indices_keep_every_bit_in_the_states_columns(dtype):
     """Positions and slots ride in the states' buffer as raw bytes: negative slots
