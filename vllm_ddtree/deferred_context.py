@@ -72,9 +72,7 @@ class DeferredContext:
         # groups), so that the rows are laid out again, not allocated, when the first
         # append says how many it has: the buffer is allocated with the model, before
         # vLLM sizes the KV cache from the memory left.
-        self._flat = torch.zeros(capacity * self._row_width(max(1, max_slot_rows)),
-                                 dtype=dtype, device=device)
-        self.slot_rows = 0
+        self._flat = torch.empty(0, dtype=dtype, device=device)
         self._lay_out(max(1, max_slot_rows))
         self.count = 0
         self.req_ids: tuple | None = None          # the requests the entries belong to
@@ -85,22 +83,20 @@ class DeferredContext:
         # about as much host time as the copy it feeds. The views an append reads are
         # those of the last append while the step's tensors are views of the same
         # buffers (the runner's persistent inputs and the target graphs' outputs), and
-        # the views it writes are one per (offset, tokens); both are kept.
+        # the views it writes are one per (offset, tokens) (``_targets``, emptied
+        # whenever the rows are laid out); both are kept.
         self._sources: tuple | None = None
-        self._targets: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _row_width(self, slot_rows: int) -> int:
-        return self.width + (1 + slot_rows) * self._per_index
 
     def _lay_out(self, slot_rows: int) -> None:
-        """Rows of this many slot rows over the flat buffer (grown if they do not fit)."""
-        cols = self._row_width(slot_rows)
+        """Rows of this many slot rows over the flat buffer (grown if they do not fit):
+        the states, then the position and each slot row's slot as index columns."""
+        cols = self.width + (1 + slot_rows) * self._per_index
         if self.capacity * cols > self._flat.numel():
             self._flat = torch.zeros(self.capacity * cols, dtype=self.dtype, device=self.device)
         self.rows = self._flat[:self.capacity * cols].view(self.capacity, cols)
         self.states = self.rows[:, :self.width]
         self.slot_rows = slot_rows
-        self._targets = {}
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.capacity
@@ -171,9 +167,8 @@ class DeferredContext:
         Returns the number of tokens stored."""
         n = self.count
         if n:
-            rows = self.rows[:n]
-            index = rows[:, self.width:].contiguous().view(torch.int64).t().contiguous()
-            store(rows[:, :self.width], index[0], list(index[1:]))
+            index = self.rows[:n, self.width:].contiguous().view(torch.int64).t().contiguous()
+            store(self.states[:n], index[0], list(index[1:]))
             self.flushes += 1
             self.flushed_tokens += n
         self.count = 0
