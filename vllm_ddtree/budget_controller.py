@@ -47,7 +47,9 @@ correction: the decayed mean of measured / modelled step time, inferred for
 unmeasured budgets like acceptance (a correction of 1 where nothing is known), and
 made non-decreasing in ``b`` (a larger tree never costs less) and bounded by what a
 bucket of larger batches measured at the same budget (fewer requests never cost more:
-:meth:`BudgetController._larger_batch_bounds`). Steps that also
+:meth:`BudgetController._larger_batch_bounds`). A bucket that never ran budget 0
+takes its correction from the nearest bucket that did, not from its own drafting
+steps (:meth:`BudgetController._corrections`). Steps that also
 prefilled (``prefill_tokens > 0``), and steps that verified one budget and drafted
 another (``drafted_budget``), feed acceptance but not cost.
 
@@ -64,7 +66,9 @@ lower for a window moves the home, and its own range decides again.
 
 **Decision.** Every ``refresh_steps`` observed steps (and when a probe ends, and at a
 bucket's first step, so that a batch size range seen for the first time decides from
-what the other buckets measured instead of holding the start-up prior), for each
+what the other buckets measured instead of holding the start-up prior, and again
+after ``probe_steps`` of its own steps, on their measurement; a switch at the first
+step starts no hold), for each
 bucket that saw steps since: the best budget by the formula above, at the bucket's
 mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
 bucket's largest batch, or above ``max_budget_by_batch`` (a cap by batch size, e.g.
@@ -339,7 +343,7 @@ class _Bucket:
                  "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at", "cap_from",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
                  "left_at", "recent_cost", "typical_cost", "typical_at", "typical_due",
-                 "switch_log")
+                 "switch_log", "borrowed")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
@@ -358,6 +362,9 @@ class _Bucket:
         self.batch_step = 0
         self.choice = initial
         self.since_switch = min_hold  # the initial choice may change at once
+        # Whether its first decision was taken from other buckets' data (it was
+        # reached after others had steps).
+        self.borrowed = False
         self.since_probe = 0
         self.probe_interval = probe_interval
         self.probing: int | None = None  # the budget being probed
@@ -615,8 +622,11 @@ class BudgetController:
         if bk.steps == 0 and self._step > 0:
             # A batch size range seen for the first time holds the start-up prior's
             # choice: decide now from what the other buckets measured (before this
-            # step's own sample, a single step's worth of noise).
-            changed = self._refresh(i)
+            # step's own sample, a single step's worth of noise). That decision rests
+            # on other batch sizes' data: the bucket's own measurements may overrule
+            # it at the next refresh, without the hold a switch starts.
+            bk.borrowed = True
+            changed = self._refresh(i, first=True)
         self._step += 1
         now = self._step
         li = self._index[b]
@@ -683,6 +693,11 @@ class BudgetController:
                 changed |= self._end_probe(i, cut)
         else:
             bk.since_probe += 1
+            if bk.borrowed and bk.steps == self.probe_steps:
+                # A bucket that decided first on the other buckets' data has timed
+                # that decision for as long as a probe runs: decide again on its own
+                # measurement, before the next routine refresh.
+                changed |= self._refresh(i)
         if now % self.refresh_steps == 0:
             for j, other in enumerate(self._buckets):
                 if other.dirty:
@@ -815,11 +830,12 @@ class BudgetController:
         return [b == 0 or ((cap is None or bk.hi * (b + 1) <= cap)
                            and (top is None or b <= top)) for b in self.levels]
 
-    def _refresh(self, i: int, routine: bool = False) -> bool:
+    def _refresh(self, i: int, routine: bool = False, first: bool = False) -> bool:
         """Decide bucket ``i`` again (a probe to start, a better budget). A
         ``routine`` refresh (every ``refresh_steps``) of a bucket that is off and not
         probing waits until ``OFF_REFRESH_FACTOR`` refresh periods have passed since
-        its last estimate (it stays dirty)."""
+        its last estimate (it stays dirty). A switch at the bucket's ``first`` step
+        starts no hold (``min_hold_steps``)."""
         bk = self._buckets[i]
         if (routine and bk.choice == 0 and bk.probing is None
                 and self._step - bk.estimated_at < OFF_REFRESH_FACTOR * self.refresh_steps):
@@ -840,6 +856,8 @@ class BudgetController:
         best = self._better(bk, est)
         if best is not None and bk.since_switch >= self.min_hold:
             self._switch(bk, best)
+            if first:
+                bk.since_switch = self.min_hold
             return self._set(i, best)
         return False
 
@@ -1131,6 +1149,30 @@ class BudgetController:
                 return found[0], [self.prior_weight] * len(found[0])
         return None
 
+    def _corrections(self, i: int) -> tuple[list[float], list[float]]:
+        """Bucket ``i``'s step-time corrections (measured / modelled) per level, and
+        their weights: :meth:`_infer` on its cells, else the nearest bucket's. Budget
+        0 (a step without a drafter) that the bucket never ran takes the nearest
+        bucket's that did: inferred from the bucket's drafting steps, whose correction
+        carries the drafter's and the tree's host work that the start-up model leaves
+        out, it looked as dear as drafting. A batch-size range reached for the first
+        time ran the start-up prior's budget and kept it until its own probe of 0 (its
+        first 41-46 steps at batch 4 on the benchmark pair at T = 1, drafting at ~2x a
+        budget-0 step's time for ~0.55 accepted) although the batch-1 bucket had
+        measured budget 0 all along."""
+        n = len(self.levels)
+        found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * n, first_alone=True))
+        if found is None:
+            return [1.0] * n, [self.prior_weight] * n
+        corr, corr_w = list(found[0]), list(found[1])
+        if not self._buckets[i].cost[0].fast_w > 0:
+            zero = self._nearest(i, lambda x: (
+                ([x.cost[0].fast_mean()], [x.cost[0].fast_w]) if x.cost[0].fast_w > 0
+                else None))
+            if zero is not None:
+                corr[0], corr_w[0] = zero[0][0], self.prior_weight
+        return corr, corr_w
+
     def _neighbours(self, i: int):
         """The other buckets' indices, nearest to bucket ``i`` first (the smaller on a
         tie)."""
@@ -1207,10 +1249,7 @@ class BudgetController:
                        for v, b in zip(isotonic_non_decreasing(acc_v, acc_w), lv[1:])]
         # Step time: the start-up model times a correction.
         model = self._model_levels(self._model_batch(bk))
-        found = self._nearest(i, lambda x: self._infer(x.cost, [1.0] * len(lv),
-                                                       first_alone=True))
-        corr, corr_w = found if found is not None else ([1.0] * len(lv),
-                                                        [self.prior_weight] * len(lv))
+        corr, corr_w = self._corrections(i)
         values = [m * c for m, c in zip(model, corr)]
         for li, bound in enumerate(self._larger_batch_bounds(i)):
             if bound is not None and bound < values[li]:

@@ -746,6 +746,40 @@ def test_a_batch_size_range_seen_first_decides_from_the_others_at_once():
     assert budgets[2:34] == [0] * 32
 
 
+@pytest.mark.parametrize("seed", [41, 42, 43])
+def test_a_new_batch_size_prices_no_drafting_by_the_bucket_that_measured_it(seed):
+    """Drafting pays at batch 1, where the bucket also probed budget 0; at batch 4
+    (other prompts: a wave of sampled requests) it does not. The new bucket's first
+    decision rests on batch 1's data and keeps drafting; its own drafting steps then
+    show their cost, and budget 0 is priced by what batch 1 measured of it. It turned
+    drafting off at its first refresh. Before, a bucket that never ran budget 0
+    priced it from its own drafting steps (as dear as drafting) and drafted until its
+    own probe of 0, after the 32-step hold its first switch had started (on the
+    benchmark pair at T = 1: 41-46 steps at budget 64, ~2x a budget-0 step's time)."""
+    good, bad = 1.0, 0.3
+    assert analytic_best(1, HOST_BOUND_TRUE, good) > 0
+    assert analytic_best(4, HOST_BOUND_TRUE, bad) == 0
+    ctl = controller(cost=HOST_BOUND_MODEL)
+    eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
+    budgets = eng.run(2000, 1, quality=good)
+    assert ctl.choice_for(1) > 0 and 0 in budgets  # drafting, and budget 0 probed
+    choices = eng.run_choices(300, 4, quality=bad)
+    assert choices[0] > 0  # the first decision borrows batch 1's: drafting
+    first_off = choices.index(0)
+    assert first_off <= ctl.refresh_steps + 2, choices[:40]
+    assert set(choices[first_off:]) == {0}
+
+
+@pytest.mark.parametrize("seed", [44, 45])
+def test_a_new_batch_size_where_drafting_pays_keeps_drafting(seed):
+    """The same start where drafting pays at batch 4 too (greedy prompts the drafter
+    knows): borrowing budget 0's price from batch 1 does not turn it off."""
+    ctl = controller(cost=HOST_BOUND_MODEL)
+    eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
+    eng.run(2000, 1)
+    assert analytic_best(4, HOST_BOUND_TRUE) > 0
+    assert 0 not in eng.run_choices(600, 4)
+
 def test_a_new_batch_size_prices_its_first_probe_by_what_its_neighbours_measured():
     """Nothing is accepted (an 8B-shaped target with dummy weights): batch 1 learned
     it and turned drafting off. Each batch size reached next (one 64-step wave each,
