@@ -65,10 +65,11 @@ its statistics (a user's cap by batch size still holds there). A batch that stay
 lower for a window moves the home, and its own range decides again.
 
 **Decision.** Every ``refresh_steps`` observed steps (and when a probe ends, and at a
-bucket's first step, so that a batch size range seen for the first time decides from
-what the other buckets measured instead of holding the start-up prior, and again
-after ``probe_steps`` of its own steps, on their measurement; a switch at the first
-step starts no hold), for each
+bucket's first step, so that a batch size range seen for the first time, or back
+after ``RETURN_HALF_LIVES`` fast half-lives without a step, decides from what the
+other buckets measured instead of holding the start-up prior or its old choice, and
+again after ``probe_steps`` of its own steps, on their measurement; a switch at the
+first step starts no hold), for each
 bucket that saw steps since: the best budget by the formula above, at the bucket's
 mean batch size; budgets whose trees would not fit in ``max_verified_tokens`` at the
 bucket's largest batch, or above ``max_budget_by_batch`` (a cap by batch size, e.g.
@@ -184,6 +185,13 @@ STRETCH_MAX_AGE = 256
 SWITCH_LOG = 8
 # How far the measured shape E(b) / E(a) may stray from the prior's ratio.
 SHAPE_CLIP = 2.0
+# A bucket whose last step is more than RETURN_HALF_LIVES fast half-lives back (its
+# fast statistics down to 1/16) decides again at its first step back, as a bucket seen
+# for the first time does: on the benchmark pair the batch-4 bucket saw a few steps of
+# the start-up warm-up's drain, and ~7600 steps later the batch-4 waves ran its
+# drafting choice until the next routine refresh (9-18 steps at ~2x a budget-0 step's
+# time at T = 1).
+RETURN_HALF_LIVES = 4
 # A bucket that is off and not probing is decided again every OFF_REFRESH_FACTOR
 # refreshes, not every one: between its probes (whose end decides at once) no
 # acceptance reaches it, and the estimate is most of a refresh's host time (~0.24 ms
@@ -343,7 +351,7 @@ class _Bucket:
                  "probe_acc", "probe_ms", "probes_cut", "dirty", "estimated_at", "cap_from",
                  "steps", "switches", "probes", "estimate", "margin_scale", "left",
                  "left_at", "recent_cost", "typical_cost", "typical_at", "typical_due",
-                 "switch_log", "borrowed")
+                 "switch_log", "redecide_at")
 
     def __init__(self, lo: int, hi: int, num_levels: int, max_depth: int,
                  initial: int, probe_interval: int, min_hold: int) -> None:
@@ -362,9 +370,9 @@ class _Bucket:
         self.batch_step = 0
         self.choice = initial
         self.since_switch = min_hold  # the initial choice may change at once
-        # Whether its first decision was taken from other buckets' data (it was
-        # reached after others had steps).
-        self.borrowed = False
+        # The bucket's step at which it decides again on its own steps since it was
+        # reached (or came back): None when not due.
+        self.redecide_at: int | None = None
         self.since_probe = 0
         self.probe_interval = probe_interval
         self.probing: int | None = None  # the budget being probed
@@ -619,13 +627,15 @@ class BudgetController:
         i = self.effective_bucket(n)
         bk = self._buckets[i]
         changed = False
-        if bk.steps == 0 and self._step > 0:
+        if self._step > 0 and (bk.steps == 0 or self._step - bk.batch_step
+                               > RETURN_HALF_LIVES * self.half_life):
             # A batch size range seen for the first time holds the start-up prior's
-            # choice: decide now from what the other buckets measured (before this
-            # step's own sample, a single step's worth of noise). That decision rests
-            # on other batch sizes' data: the bucket's own measurements may overrule
-            # it at the next refresh, without the hold a switch starts.
-            bk.borrowed = True
+            # choice (one back after a long absence, what it chose then): decide now
+            # from what the other buckets measured (before this step's own sample, a
+            # single step's worth of noise). That decision rests on other batch sizes'
+            # data: it starts no hold, and the bucket decides again once it has timed
+            # ``probe_steps`` of its own steps.
+            bk.redecide_at = bk.steps + self.probe_steps
             changed = self._refresh(i, first=True)
         self._step += 1
         now = self._step
@@ -693,10 +703,10 @@ class BudgetController:
                 changed |= self._end_probe(i, cut)
         else:
             bk.since_probe += 1
-            if bk.borrowed and bk.steps == self.probe_steps:
-                # A bucket that decided first on the other buckets' data has timed
-                # that decision for as long as a probe runs: decide again on its own
-                # measurement, before the next routine refresh.
+            if bk.redecide_at is not None and bk.steps >= bk.redecide_at:
+                # A bucket reached (or back) has timed its decision for as long as a
+                # probe runs: decide again on that, before the next routine refresh.
+                bk.redecide_at = None
                 changed |= self._refresh(i)
         if now % self.refresh_steps == 0:
             for j, other in enumerate(self._buckets):

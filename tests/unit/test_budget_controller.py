@@ -766,16 +766,37 @@ def test_a_new_batch_size_prices_no_drafting_by_the_bucket_that_measured_it(seed
     choices = eng.run_choices(300, 4, quality=bad)
     assert choices[0] > 0  # the first decision borrows batch 1's: drafting
     first_off = choices.index(0)
-    assert first_off <= ctl.refresh_steps + 2, choices[:40]
+    assert first_off <= ctl.probe_steps + 2, choices[:40]
     assert set(choices[first_off:]) == {0}
 
 
-@pytest.mark.parametrize("seed", [44, 45])
-def test_a_new_batch_size_where_drafting_pays_keeps_drafting(seed):
-    """The same start where drafting pays at batch 4 too (greedy prompts the drafter
-    knows): borrowing budget 0's price from batch 1 does not turn it off."""
+@pytest.mark.parametrize("seed", [46, 47, 48])
+def test_a_batch_size_back_after_a_long_absence_decides_again_at_once(seed):
+    """As on the benchmark pair: the batch-4 bucket saw a few steps of the start-up
+    warm-up's drain (at the prior's budget), then none for thousands of steps. Back at
+    batch 4, where drafting does not pay, it decides at its first step and again after
+    ``probe_steps`` of its own; before, it drafted until the next routine refresh (and
+    a switch's hold)."""
+    good, bad = 1.0, 0.3
     ctl = controller(cost=HOST_BOUND_MODEL)
     eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
+    eng.run(3, 4, quality=good)  # the warm-up's drain
+    budgets = eng.run(2000, 1, quality=good)
+    assert ctl.choice_for(1) > 0 and 0 in budgets
+    choices = eng.run_choices(300, 4, quality=bad)
+    first_off = choices.index(0)
+    assert first_off <= ctl.probe_steps + 2, choices[:40]
+    assert set(choices[first_off:]) == {0}
+
+@pytest.mark.parametrize("seed", [44, 45])
+@pytest.mark.parametrize("drain", [0, 3])
+def test_a_new_batch_size_where_drafting_pays_keeps_drafting(seed, drain):
+    """The same starts (batch 4 new, or back after a warm-up's drain) where drafting
+    pays at batch 4 too (greedy prompts the drafter knows): borrowing budget 0's price
+    from batch 1 and deciding again do not turn it off."""
+    ctl = controller(cost=HOST_BOUND_MODEL)
+    eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
+    eng.run(drain, 4)
     eng.run(2000, 1)
     assert analytic_best(4, HOST_BOUND_TRUE) > 0
     assert 0 not in eng.run_choices(600, 4)
