@@ -751,8 +751,9 @@ def test_a_new_batch_size_prices_no_drafting_by_the_bucket_that_measured_it(seed
     """Drafting pays at batch 1, where the bucket also probed budget 0; at batch 4
     (other prompts: a wave of sampled requests) it does not. The new bucket's first
     decision rests on batch 1's data and keeps drafting; its own drafting steps then
-    show their cost, and budget 0 is priced by what batch 1 measured of it. It turned
-    drafting off at its first refresh. Before, a bucket that never ran budget 0
+    show their cost, and budget 0 is priced by what batch 1 measured of it: drafting
+    goes off once the bucket has timed ``probe_steps`` of its own steps (a refresh
+    later without that re-decision). Before, a bucket that never ran budget 0
     priced it from its own drafting steps (as dear as drafting) and drafted until its
     own probe of 0, after the 32-step hold its first switch had started (on the
     benchmark pair at T = 1: 41-46 steps at budget 64, ~2x a budget-0 step's time)."""
@@ -788,6 +789,7 @@ def test_a_batch_size_back_after_a_long_absence_decides_again_at_once(seed):
     assert first_off <= ctl.probe_steps + 2, choices[:40]
     assert set(choices[first_off:]) == {0}
 
+
 @pytest.mark.parametrize("seed", [44, 45])
 @pytest.mark.parametrize("drain", [0, 3])
 def test_a_new_batch_size_where_drafting_pays_keeps_drafting(seed, drain):
@@ -800,6 +802,7 @@ def test_a_new_batch_size_where_drafting_pays_keeps_drafting(seed, drain):
     eng.run(2000, 1)
     assert analytic_best(4, HOST_BOUND_TRUE) > 0
     assert 0 not in eng.run_choices(600, 4)
+
 
 def test_a_new_batch_size_prices_its_first_probe_by_what_its_neighbours_measured():
     """Nothing is accepted (an 8B-shaped target with dummy weights): batch 1 learned
