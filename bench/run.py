@@ -69,7 +69,10 @@ class BenchConfig:
     forward (:mod:`vllm_ddtree.budget`; for the chain, the same rule caps K;
     ``-tauto``: T measured at start-up, DDTree only, :mod:`vllm_ddtree.cost_model`); a
     ``-d<N>`` suffix stops drafting from N running requests on (budget 0:
-    ``ddtree_disable_by_batch_size``; for the chain, the same schedule)."""
+    ``ddtree_disable_by_batch_size``; for the chain, the same schedule). DDTree's
+    ``-d1`` never drafts (every step at budget 0, as vLLM's
+    ``num_speculative_tokens_per_batch_size`` ``[[1, OPEN_END, 0]]``, which caps the
+    online controller at 0 too): the budget-0 step at batch 1, for profiling it."""
 
     name: str
     method: str | None
@@ -94,7 +97,12 @@ class BenchConfig:
         if self.method == "ddtree":
             if self.tokens_per_step is not None:
                 spec["ddtree_tokens_per_step"] = self.tokens_per_step
-            if self.disable_by_batch_size is not None:
+            if self.disable_by_batch_size == 1:
+                from vllm_ddtree.budget import OPEN_END
+
+                # ddtree_disable_by_batch_size refuses 1 (a user would never draft).
+                spec["num_speculative_tokens_per_batch_size"] = [[1, OPEN_END, 0]]
+            elif self.disable_by_batch_size is not None:
                 spec["ddtree_disable_by_batch_size"] = self.disable_by_batch_size
             if self.online_budget is not None:
                 spec["ddtree_online_budget"] = self.online_budget
@@ -229,9 +237,11 @@ def _parse_core_config(name: str) -> BenchConfig:
         raise ValueError(f"bad benchmark config {name!r}: -t<tokens per step> needs "
                          "an integer >= 2")
     disable = int(m["disable"]) if m["disable"] else None
-    if disable is not None and disable < 2:
+    never = disable == 1 and m["base"] != "dflash" and tokens is None
+    if disable is not None and disable < 2 and not never:
         raise ValueError(f"bad benchmark config {name!r}: -d<first batch size without "
-                         "drafts> needs an integer >= 2")
+                         "drafts> needs an integer >= 2 (DDTree's -d1, without -t: "
+                         "never drafting)")
     if m["base"] == "no-spec":
         return BenchConfig(name, None)
     if m["base"] == "dflash":

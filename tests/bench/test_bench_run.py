@@ -39,6 +39,15 @@ def test_configs_parse_to_speculative_configs():
         [1, 32, 15], [33, 39, 8], [40, 1 << 20, 0]]
     assert parse_config("dflash-d8").speculative_config("d")[
         "num_speculative_tokens_per_batch_size"] == [[1, 7, 15], [8, 1 << 20, 0]]
+    # DDTree's -d1 never drafts: a schedule of budget 0 (the series refuses
+    # ddtree_disable_by_batch_size 1); the chain's -d1 and a token target with it are
+    # refused.
+    assert parse_config("ddtree-b64-d1").speculative_config("d") == {
+        "method": "ddtree", "model": "d", "num_speculative_tokens": 64,
+        "num_speculative_tokens_per_batch_size": [[1, 1 << 20, 0]]}
+    for name in ("dflash-d1", "ddtree-b64-t512-d1"):
+        with pytest.raises(ValueError, match="never drafting"):
+            parse_config(name)
 
 
 def test_a_config_flag_sets_engine_environment_only():
@@ -64,7 +73,7 @@ def test_auto_token_target_is_ddtrees():
 
 
 @pytest.mark.parametrize("name", ["ddtree", "ddtree-b0", "ddtree-bx", "no-spec-t4",
-                                  "ddtree-b8-t1", "eagle", "ddtree-b8-d1", "no-spec-d4",
+                                  "ddtree-b8-t1", "eagle", "ddtree-b8-d0", "no-spec-d4",
                                   "ddtree-b8-d4-t16", "dflash-dx", "ddtree-b8-tAUTO",
                                   "no-spec-tauto"])
 def test_bad_config_names_are_refused(name):

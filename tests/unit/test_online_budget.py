@@ -230,6 +230,25 @@ def test_a_user_schedule_caps_the_controller(models, h200):
     assert max(verified) <= 4 and max(verified[-300:]) > 0
 
 
+@pytest.mark.parametrize("num_requests", [1, 4])
+def test_a_schedule_of_budget_0_never_drafts_nor_probes(models, h200, num_requests):
+    """A cap of 0 at every batch size (``bench/run.py``'s ``ddtree-b<B>-d1``, for
+    profiling the budget-0 step at batch 1): the controller has nothing to choose or
+    probe, even where drafts would be accepted."""
+    from vllm_ddtree.budget import OPEN_END
+
+    cfg = _config(models, num_speculative_tokens_per_batch_size=[[1, OPEN_END, 0]])
+    assert [tuple(r) for r in cfg.speculative_config.num_speculative_tokens_per_batch_size] \
+        == [(1, OPEN_END, 0)]
+    s = _scheduler(cfg)
+    serving = Serving(s, num_requests, seed=3, temperature=0.0)
+    verified = serving.run(1500, quality=0.95)
+    assert set(verified) == {0} and set(serving.scheduled) == {0}
+    state = s.ddtree_budget.state()
+    assert all(b["probes"] == 0 and b["choice"] == 0
+               for b in state["by_sampling"]["greedy"]["buckets"].values())
+
+
 def test_sync_scheduling_leaves_the_online_budget_off_or_refuses_it(models, h200):
     cfg = _server_config(models, spec={"method": "ddtree", "num_speculative_tokens": BUDGET},
                          max_num_seqs=16, async_scheduling=False)
