@@ -747,44 +747,30 @@ def test_a_batch_size_range_seen_first_decides_from_the_others_at_once():
 
 
 @pytest.mark.parametrize("seed", [41, 42, 43])
-def test_a_new_batch_size_prices_no_drafting_by_the_bucket_that_measured_it(seed):
+@pytest.mark.parametrize("drain", [0, 3])
+def test_a_new_batch_size_prices_no_drafting_by_the_bucket_that_measured_it(seed, drain):
     """Drafting pays at batch 1, where the bucket also probed budget 0; at batch 4
-    (other prompts: a wave of sampled requests) it does not. The new bucket's first
-    decision rests on batch 1's data and keeps drafting; its own drafting steps then
-    show their cost, and budget 0 is priced by what batch 1 measured of it: drafting
-    goes off once the bucket has timed ``probe_steps`` of its own steps (a refresh
-    later without that re-decision). Before, a bucket that never ran budget 0
-    priced it from its own drafting steps (as dear as drafting) and drafted until its
-    own probe of 0, after the 32-step hold its first switch had started (on the
-    benchmark pair at T = 1: 41-46 steps at budget 64, ~2x a budget-0 step's time)."""
+    (other prompts: a wave of sampled requests) it does not. The batch-4 bucket is new
+    (``drain`` 0), or back after thousands of steps without one (``drain`` 3: as on the
+    benchmark pair, a few steps of the start-up warm-up's drain at the prior's budget).
+    Its first decision rests on batch 1's data and keeps drafting; its own drafting
+    steps then show their cost, and budget 0 is priced by what batch 1 measured of it:
+    drafting goes off once the bucket has timed ``probe_steps`` of its own steps.
+    Before, a bucket that never ran budget 0 priced it from its own drafting steps (as
+    dear as drafting) and drafted until its own probe of 0, after the 32-step hold its
+    first switch had started (on the benchmark pair at T = 1: 41-46 steps at budget 64,
+    ~2x a budget-0 step's time); a bucket back after a long absence drafted until the
+    next routine refresh."""
     good, bad = 1.0, 0.3
     assert analytic_best(1, HOST_BOUND_TRUE, good) > 0
     assert analytic_best(4, HOST_BOUND_TRUE, bad) == 0
     ctl = controller(cost=HOST_BOUND_MODEL)
     eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
+    eng.run(drain, 4, quality=good)
     budgets = eng.run(2000, 1, quality=good)
     assert ctl.choice_for(1) > 0 and 0 in budgets  # drafting, and budget 0 probed
     choices = eng.run_choices(300, 4, quality=bad)
     assert choices[0] > 0  # the first decision borrows batch 1's: drafting
-    first_off = choices.index(0)
-    assert first_off <= ctl.probe_steps + 2, choices[:40]
-    assert set(choices[first_off:]) == {0}
-
-
-@pytest.mark.parametrize("seed", [46, 47, 48])
-def test_a_batch_size_back_after_a_long_absence_decides_again_at_once(seed):
-    """As on the benchmark pair: the batch-4 bucket saw a few steps of the start-up
-    warm-up's drain (at the prior's budget), then none for thousands of steps. Back at
-    batch 4, where drafting does not pay, it decides at its first step and again after
-    ``probe_steps`` of its own; before, it drafted until the next routine refresh (and
-    a switch's hold)."""
-    good, bad = 1.0, 0.3
-    ctl = controller(cost=HOST_BOUND_MODEL)
-    eng = Engine(ctl, seed=seed, cost=HOST_BOUND_TRUE, noise=0.2, transitions=True)
-    eng.run(3, 4, quality=good)  # the warm-up's drain
-    budgets = eng.run(2000, 1, quality=good)
-    assert ctl.choice_for(1) > 0 and 0 in budgets
-    choices = eng.run_choices(300, 4, quality=bad)
     first_off = choices.index(0)
     assert first_off <= ctl.probe_steps + 2, choices[:40]
     assert set(choices[first_off:]) == {0}
