@@ -497,12 +497,17 @@ def cell_summary(
     tpots: list[float],
     ttfts: list[float] | None = None,
     wave_edges: list[tuple[float, float]] | None = None,
+    ttft_splits: list[tuple[float, float]] | None = None,
 ) -> dict:
     """A cell's figures. ``ttfts``: each request's engine-side time to first token
     (queued to first token); ``wave_edges``: per wave, the seconds from calling
     ``generate`` to the engine core queueing its first request, and from the engine's
     last token to ``generate`` returning (where a wave's time outside the engine's
-    request lifetimes goes)."""
+    request lifetimes goes); ``ttft_splits``: per request, its time to first token in
+    two parts, queued to first scheduled (``ttft_queued_p50_s``: waiting for a step to
+    take it, e.g. behind the step already running when a wave's first request came)
+    and first scheduled to first token (``ttft_scheduled_p50_s``: its prefill step and
+    the output of it)."""
     n_tokens = sum(len(o) for o in outputs)
     summary = {
         "num_requests": len(outputs),
@@ -515,6 +520,9 @@ def cell_summary(
     }
     if ttfts:
         summary["ttft_p50_s"] = _r(percentile(ttfts, 50))
+    if ttft_splits:
+        summary["ttft_queued_p50_s"] = _r(percentile([a for a, _ in ttft_splits], 50))
+        summary["ttft_scheduled_p50_s"] = _r(percentile([b for _, b in ttft_splits], 50))
     if wave_edges:
         summary["wave_start_gap_ms"] = _r(statistics.median(a for a, _ in wave_edges) * 1e3)
         summary["wave_end_gap_ms"] = _r(statistics.median(b for _, b in wave_edges) * 1e3)
@@ -583,7 +591,8 @@ def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dic
 
 
 REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
-                   "latency_p50_s", "latency_p99_s", "ttft_p50_s", "wave_start_gap_ms",
+                   "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_queued_p50_s",
+                   "ttft_scheduled_p50_s", "wave_start_gap_ms",
                    "wave_end_gap_ms", "full_concurrency_tokens_per_s",
                    "host_python_loop_ms")
 
@@ -973,18 +982,22 @@ class CellTimes:
         self.latencies: list[float] = []
         self.tpots: list[float] = []
         self.ttfts: list[float] = []
+        self.ttft_splits: list[tuple[float, float]] = []  # (queued -> scheduled, -> first)
 
     def add(self, out, fallback_latency: float) -> tuple[float, float] | None:
         """One finished request; returns its (queued, last token) stamps if it has them."""
         m = getattr(out, "metrics", None)
         q, f, last = (getattr(m, "queued_ts", 0.0), getattr(m, "first_token_ts", 0.0),
                       getattr(m, "last_token_ts", 0.0)) if m is not None else (0, 0, 0)
+        s = getattr(m, "scheduled_ts", 0.0) if m is not None else 0.0
         n = len(out.outputs[0].token_ids)
         self.latencies.append(last - q if q > 0 and last >= q else fallback_latency)
         if last > f > 0 and n > 1:
             self.tpots.append((last - f) / (n - 1))
         if f >= q > 0:
             self.ttfts.append(f - q)
+            if f >= s >= q:
+                self.ttft_splits.append((s - q, f - s))
             return q, last
         return None
 
@@ -1050,7 +1063,7 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
     wall = time.perf_counter() - t0
     delta = engine_spec_counters(llm).minus(before)
     return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts,
-                                 wave_edges), delta
+                                 wave_edges, times.ttft_splits), delta
 
 
 def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: float,
@@ -1111,7 +1124,8 @@ def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: floa
         raise RuntimeError(f"steady cell: {len(finished)} of {len(prompts)} requests finished")
     outputs = [list(finished[i].outputs[0].token_ids) for i in range(len(prompts))]
     delta = engine_spec_counters(llm).minus(before)
-    summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts)
+    summary = cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts,
+                           ttft_splits=times.ttft_splits)
     if full_concurrency is not None and full_concurrency[0] > 0:
         seconds, tokens = full_concurrency
         summary["full_concurrency_s"] = round(seconds, 4)

@@ -167,7 +167,10 @@ def test_a_cell_splits_each_wave_into_engine_time_and_its_edges(monkeypatch):
             queued = clock.now + start_gap
             for i, _ in enumerate(prompts):
                 q = queued + 0.001 * i
-                metrics = types.SimpleNamespace(queued_ts=q, first_token_ts=q + 0.02,
+                # Scheduled 5 ms after it was queued (behind a running step), its first
+                # token 15 ms after that.
+                metrics = types.SimpleNamespace(queued_ts=q, scheduled_ts=q + 0.005,
+                                                first_token_ts=q + 0.02,
                                                 last_token_ts=q + 0.02 + 0.001 * 9)
                 outs.append(types.SimpleNamespace(
                     outputs=[types.SimpleNamespace(token_ids=list(range(10)))], metrics=metrics))
@@ -177,6 +180,9 @@ def test_a_cell_splits_each_wave_into_engine_time_and_its_edges(monkeypatch):
     outputs, summary, _ = run.run_cell(FakeLLM(), [[1, 2]] * 4, 2, 0.0, 10, dummy=True)
     assert len(outputs) == 4
     assert summary["ttft_p50_s"] == pytest.approx(0.02)
+    # The time to first token in its two parts: waiting to be scheduled, then prefilled.
+    assert summary["ttft_queued_p50_s"] == pytest.approx(0.005)
+    assert summary["ttft_scheduled_p50_s"] == pytest.approx(0.015)
     assert summary["time_per_output_token_ms"] == pytest.approx(1.0)
     assert summary["wave_start_gap_ms"] == pytest.approx(3.0)  # median of 4 and 2
     assert summary["wave_end_gap_ms"] == pytest.approx(20.0)  # median of 30 and 10
@@ -213,7 +219,9 @@ class FakeSteadyEngine:
             toks.append(i)
             state[3] = first or self.clock.now
             done = len(toks) >= self.lengths[i]
-            metrics = types.SimpleNamespace(queued_ts=queued, first_token_ts=state[3],
+            # Scheduled when the step that made its first token began.
+            metrics = types.SimpleNamespace(queued_ts=queued, scheduled_ts=state[3] - 0.001,
+                                            first_token_ts=state[3],
                                             last_token_ts=self.clock.now)
             outs.append(types.SimpleNamespace(
                 request_id=rid, finished=done, metrics=metrics,
@@ -243,6 +251,9 @@ def test_a_steady_cell_keeps_the_concurrency_and_refills(monkeypatch):
     assert summary["output_tokens"] == sum(lengths)
     assert summary["wall_s"] == pytest.approx(engine.steps * 0.001)
     assert summary["ttft_p50_s"] == pytest.approx(0.001)
+    # Every request was scheduled at the first step after it was queued.
+    assert summary["ttft_queued_p50_s"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["ttft_scheduled_p50_s"] == pytest.approx(0.001)
     # Steps whose outputs carry a first token prefilled someone: 1 (requests 0 and 1),
     # 5, 7, 9 and 12 (each joining request); the other 11 only decoded.
     assert (summary["prefill_steps"], summary["decode_steps"]) == (5, 11)
