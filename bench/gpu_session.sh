@@ -487,7 +487,7 @@ case "$step" in
     # cProfile and torch.profiler of plain decoding beside DDTree with drafting off, at
     # GAP_PROFILE_BATCH requests (in the engine rounds a drafting-off step cost what a
     # plain one did at batch 4 and 0.3-0.6 ms more at 16); one cProfile table per config
-    # in profile.tar.gz.
+    # in profile.tar.gz (with GAP_PROFILE_ROUNDS, round R's in profile-round-R.tar.gz).
     prepare
     mkdir -p "$OUT/profile"
     read -r -a pconfigs <<< "${GAP_PROFILE_CONFIGS:-no-spec ddtree-b64-t512-d4}"
@@ -522,6 +522,12 @@ case "$step" in
           >> "$OUT/profile/profile-step.log" 2>&1
         echo "gap profile round $r $config rc=$?"
       done
+      # Each finished round in its own tarball at once: a call that runs past its limit
+      # keeps the rounds it finished, and the device returns a bounded number of files
+      # (a timed-out call once returned 8 of 13 loose ones).
+      if ((rounds > 1)); then
+        tar -C "$OUT/profile" -czf "$OUT/profile-round-$r.tar.gz" "round-$r" && rm -rf "$pdir"
+      fi
     done
     grep '^{' "$OUT/profile/profile-step.log" | cut -c1-400
     tar -C "$OUT" -czf "$OUT/profile.tar.gz" profile && rm -rf "$OUT/profile"
