@@ -1317,8 +1317,8 @@ def record_cell(args, suite: Suite, run: EngineRun, rnd: int, key: tuple, runs: 
     print(json.dumps({k: entry.get(k) for k in (
         "config", "prompt_set", "batch_size", "temperature", "tau",
         "output_tokens_per_s", "full_concurrency_tokens_per_s",
-        "time_per_output_token_ms", "ttft_p50_s",
-        "greedy_match", "greedy_identical")}
+        "time_per_output_token_ms", "ttft_p50_s", "ttft_queued_p50_s",
+        "ttft_scheduled_p50_s", "greedy_match", "greedy_identical")}
         | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
         | ({"round": rnd} if args.engine_rounds > 1 else {})),
         flush=True)
