@@ -9,7 +9,11 @@ running ("full") and after the first one finished ("tail"), the budgets they ran
 the tokens they produced (a request's token a step plus what it accepted): whether a
 wave ended late because of its tail or because its full-batch steps were slow. Steps
 that prefill, and decode steps before the batch first reaches its largest size, are in
-neither phase (``prefill_steps`` counts the former).
+neither phase (``prefill_steps`` counts the former). How a wave starts (``start``): the
+times of its prefilling steps (None for a step the controller could not time, the first
+after the engine idled) and of its first ``START_STEPS`` full-batch decode steps, against
+the median of its full-batch budget-0 steps: whether the steps around a wave's prefill,
+which its first tokens wait for, cost more than its steady ones.
 
 The trace holds the engine's last steps, so it describes the last cells the engine ran:
 run the cell of interest last (``GOALS_BATCH_SIZES``, ``GOALS_TEMPERATURES``). Below the
@@ -29,6 +33,10 @@ import sys
 
 FIELDS = ["batch", "budget", "drafted_budget", "requests_sampled", "mean_accepted",
           "step_ms", "prefill_tokens"]
+# The controller records 1.0 ms for a step it could not time (no step output before it:
+# the engine was idle), and counts it as prefilling (vllm_ddtree/online_budget.py).
+UNTIMED_MS = 1.0
+START_STEPS = 4
 
 
 def load(path: str) -> dict:
@@ -108,12 +116,21 @@ def wave_summary(wave: list[dict], first_in_trace: bool = False) -> dict | None:
     first = next(i for i, s in enumerate(decode) if s["batch"] == full)
     head = decode[first:]
     end_full = next((i for i, s in enumerate(head) if s["batch"] < full), len(head))
+    full_steps = head[:end_full]
     return {
         "requests": full,
         "prefill_steps": len(wave) - len(decode),
         "cut": first_in_trace and (first > 0 or not wave[0]["prefill_tokens"]),
-        "full": _phase(head[:end_full]),
+        "full": _phase(full_steps),
         "tail": _phase(head[end_full:]),
+        "start": {
+            "prefill_ms": [None if s["step_ms"] == UNTIMED_MS else s["step_ms"]
+                           for s in wave if s["prefill_tokens"]],
+            "prefill_tokens": [s["prefill_tokens"] for s in wave if s["prefill_tokens"]],
+            "first_full_ms": [s["step_ms"] for s in full_steps[:START_STEPS]],
+            "full_budget_0_ms_p50": _median(
+                [s["step_ms"] for s in full_steps[START_STEPS:] if s["budget"] == 0]),
+        },
     }
 
 
@@ -162,6 +179,20 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def start_table(summary: list[dict]) -> str:
+    """How each wave started: its prefilling steps and its first full-batch steps."""
+    lines = ["| engine | wave | prefill steps: tokens / ms | first full-batch steps, ms "
+             "| later full-batch budget-0 step, median ms |", "|---|---|---|---|---|"]
+    for eng in summary:
+        for i, w in enumerate(eng["waves"]):
+            st = w["start"]
+            pre = ", ".join(f"{t} / {'untimed' if m is None else m}"
+                            for t, m in zip(st["prefill_tokens"], st["prefill_ms"]))
+            lines.append(f"| {eng['config']} r{eng['round']} | {i}{' (cut)' if w['cut'] else ''} "
+                         f"| {pre or '-'} | {st['first_full_ms']} | {st['full_budget_0_ms_p50']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result", help="a bench/run.py result file (.json or .json.gz)")
@@ -177,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"engines": summary, "switches": switched}, indent=1))
     else:
         print(table(summary))
+        print("\nHow each wave started:\n" + start_table(summary))
         if switched:
             print("\nSwitches (the reports' last per bucket):\n" + switch_lines(switched))
     return 0

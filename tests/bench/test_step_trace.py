@@ -62,6 +62,26 @@ def test_a_trace_that_starts_inside_a_wave_marks_it_cut():
     assert waves[0]["full"]["steps"] == 3
 
 
+def test_a_wave_start_gives_its_prefill_steps_and_first_full_batch_steps(tmp_path, capsys):
+    # The first prefilling step untimed (the engine idled before it), the second timed;
+    # then slow full-batch steps before the wave settles at 3 ms.
+    steps = ([_step(3, prefill=61, ms=T.UNTIMED_MS), _step(64, prefill=1424, ms=5.7)]
+             + [_step(64, 0, ms=ms) for ms in (7.0, 6.1, 6.2, 5.6)]
+             + [_step(64, 0, ms=3.0) for _ in range(5)] + [_step(64, 4, 0.5, ms=9.0)]
+             + [_step(10, 0, ms=1.5)])
+    start = T.summarize(_doc(steps))[0]["waves"][0]["start"]
+    assert start["prefill_ms"] == [None, 5.7]
+    assert start["prefill_tokens"] == [61, 1424]
+    assert start["first_full_ms"] == [7.0, 6.1, 6.2, 5.6]
+    # The later full-batch budget-0 steps only: not the first four, not the drafting step.
+    assert start["full_budget_0_ms_p50"] == 3.0
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_doc(steps)))
+    assert T.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| ddtree-b64-t512 r0 | 0 | 61 / untimed, 1424 / 5.7 | [7.0, 6.1, 6.2, 5.6] | 3.0 |" in out
+
+
 def test_the_table_and_the_command_line(tmp_path, capsys):
     path = tmp_path / "bench.json.gz"
     with gzip.open(path, "wt") as f:
