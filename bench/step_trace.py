@@ -10,7 +10,7 @@ the tokens they produced (a request's token a step plus what it accepted): wheth
 wave ended late because of its tail or because its full-batch steps were slow. Steps
 that prefill, and decode steps before the batch first reaches its largest size, are in
 neither phase (``prefill_steps`` counts the former). How a wave starts (``start``): the
-times of its prefilling steps (None for a step the controller could not time, the first
+times of its prefilling steps (None for a step the controller did not time: the first
 after the engine idled) and of its first ``START_STEPS`` full-batch decode steps, against
 the median of its full-batch budget-0 steps: whether the steps around a wave's prefill,
 which its first tokens wait for, cost more than its steady ones.
@@ -33,8 +33,9 @@ import sys
 
 FIELDS = ["batch", "budget", "drafted_budget", "requests_sampled", "mean_accepted",
           "step_ms", "prefill_tokens"]
-# The controller records 1.0 ms for a step it could not time (no step output before it:
-# the engine was idle), and counts it as prefilling (vllm_ddtree/online_budget.py).
+# The controller records 1.0 ms for a step whose time it does not take as a step's (the
+# first after the engine idled, with no output before it; one outside its bounds) and
+# counts it as prefilling (vllm_ddtree/online_budget.py).
 UNTIMED_MS = 1.0
 START_STEPS = 4
 
