@@ -498,6 +498,7 @@ def cell_summary(
     ttfts: list[float] | None = None,
     wave_edges: list[tuple[float, float]] | None = None,
     ttft_splits: list[tuple[float, float]] | None = None,
+    wave_outputs: list[list[float]] | None = None,
 ) -> dict:
     """A cell's figures. ``ttfts``: each request's engine-side time to first token
     (queued to first token); ``wave_edges``: per wave, the seconds from calling
@@ -507,7 +508,13 @@ def cell_summary(
     two parts, queued to first scheduled (``ttft_queued_p50_s``: waiting for a step to
     take it, e.g. behind the step already running when a wave's first request came)
     and first scheduled to first token (``ttft_scheduled_p50_s``: its prefill step and
-    the output of it)."""
+    the output of it); ``wave_outputs``: per wave, the engine core's stamps of the
+    steps that returned tokens, in seconds after the wave's first request was queued
+    (:class:`OutputSteps`): when its first two steps' outputs came
+    (``wave_first_output_ms``, ``wave_second_output_ms``: most first tokens of a wave
+    come with one of them), the median time between later ones
+    (``wave_output_step_ms_p50``) and how many steps a wave took
+    (``wave_output_steps``), for every engine alike."""
     n_tokens = sum(len(o) for o in outputs)
     summary = {
         "num_requests": len(outputs),
@@ -526,6 +533,16 @@ def cell_summary(
     if wave_edges:
         summary["wave_start_gap_ms"] = _r(statistics.median(a for a, _ in wave_edges) * 1e3)
         summary["wave_end_gap_ms"] = _r(statistics.median(b for _, b in wave_edges) * 1e3)
+    waves = [w for w in wave_outputs or () if w]
+    if waves:
+        summary["wave_output_steps"] = statistics.median(len(w) for w in waves)
+        summary["wave_first_output_ms"] = _r(statistics.median(w[0] for w in waves) * 1e3)
+        seconds = [w[1] for w in waves if len(w) > 1]
+        if seconds:
+            summary["wave_second_output_ms"] = _r(statistics.median(seconds) * 1e3)
+        later = [b - a for w in waves for a, b in zip(w[2:], w[3:])]
+        if later:
+            summary["wave_output_step_ms_p50"] = _r(statistics.median(later) * 1e3)
     return summary
 
 
@@ -593,8 +610,9 @@ def speculation_crossover(results: list[dict], baseline: str = "no-spec") -> dic
 REPEATED_FIELDS = ("wall_s", "output_tokens_per_s", "time_per_output_token_ms",
                    "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_queued_p50_s",
                    "ttft_scheduled_p50_s", "wave_start_gap_ms",
-                   "wave_end_gap_ms", "full_concurrency_tokens_per_s",
-                   "host_python_loop_ms")
+                   "wave_end_gap_ms", "wave_first_output_ms", "wave_second_output_ms",
+                   "wave_output_step_ms_p50", "wave_output_steps",
+                   "full_concurrency_tokens_per_s", "host_python_loop_ms")
 
 
 def spread(values: list[float]) -> float | None:
@@ -1033,6 +1051,47 @@ def _sampling_params(temperature: float, max_tokens: int, seed_index: int, dummy
                           detokenize=not dummy)
 
 
+class OutputSteps:
+    """The engine core's stamp (``EngineCoreOutputs.timestamp``, ``time.monotonic()``
+    where the step's outputs were made, the clock of the requests' stamps) of every step
+    that returned tokens while the block runs: the front end's ``get_output`` wrapped
+    for its duration, an append a step. Plain decoding keeps no step trace of its own,
+    so this times both engines' steps alike. An engine without that client (a stand-in)
+    records nothing."""
+
+    def __init__(self, llm):
+        self.core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        self.stamps: list[float] = []
+
+    def __enter__(self) -> "OutputSteps":
+        get = getattr(self.core, "get_output", None)
+        if get is None:
+            return self
+        stamps = self.stamps
+
+        def get_output(*args, **kwargs):
+            out = get(*args, **kwargs)
+            stamp = getattr(out, "timestamp", None)
+            if stamp and getattr(out, "outputs", None):
+                stamps.append(stamp)
+            return out
+
+        try:
+            self.core.get_output = get_output
+        except AttributeError:  # a client whose attributes are fixed: nothing recorded
+            self.core = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # The instance attribute shadowed the client's method: drop it.
+        if self.core is not None and "get_output" in getattr(self.core, "__dict__", {}):
+            del self.core.get_output
+
+    def after(self, start: float) -> list[float]:
+        """The stamps, in seconds after ``start`` (the wave's first request queued)."""
+        return [t - start for t in self.stamps if t >= start]
+
+
 def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int,
              dummy: bool, lengths: str = "fixed") -> tuple[list[list[int]], dict, SpecCounters]:
     """Waves: ``batch`` requests at a time, one ``generate`` call each; a wave ends with
@@ -1041,6 +1100,7 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
     outputs: list[list[int]] = []
     times = CellTimes()
     wave_edges: list[tuple[float, float]] = []
+    wave_outputs: list[list[float]] = []
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):
         wave = prompts[w:w + batch]
@@ -1049,7 +1109,9 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
         # The engine core stamps requests with time.monotonic(), one clock for every
         # process of the machine: the wave's edges are comparable with its stamps.
         tw, tw_mono = time.perf_counter(), time.monotonic()
-        outs = llm.generate([{"prompt_token_ids": p} for p in wave], sps, use_tqdm=False)
+        with OutputSteps(llm) as steps:
+            outs = llm.generate([{"prompt_token_ids": p} for p in wave], sps,
+                                use_tqdm=False)
         wave_s, end_mono = time.perf_counter() - tw, time.monotonic()
         stamps = []
         for o in outs:
@@ -1058,12 +1120,14 @@ def run_cell(llm, prompts: list[list[int]], batch: int, temperature: float, max_
             if stamp is not None:
                 stamps.append(stamp)
         if stamps and len(stamps) == len(outs):
-            wave_edges.append((min(q for q, _ in stamps) - tw_mono,
+            first_queued = min(q for q, _ in stamps)
+            wave_edges.append((first_queued - tw_mono,
                                end_mono - max(last for _, last in stamps)))
+            wave_outputs.append(steps.after(first_queued))
     wall = time.perf_counter() - t0
     delta = engine_spec_counters(llm).minus(before)
     return outputs, cell_summary(outputs, wall, times.latencies, times.tpots, times.ttfts,
-                                 wave_edges, times.ttft_splits), delta
+                                 wave_edges, times.ttft_splits, wave_outputs), delta
 
 
 def run_cell_steady(llm, prompts: list[list[int]], batch: int, temperature: float,
@@ -1318,7 +1382,8 @@ def record_cell(args, suite: Suite, run: EngineRun, rnd: int, key: tuple, runs: 
         "config", "prompt_set", "batch_size", "temperature", "tau",
         "output_tokens_per_s", "full_concurrency_tokens_per_s",
         "time_per_output_token_ms", "ttft_p50_s", "ttft_queued_p50_s",
-        "ttft_scheduled_p50_s", "greedy_match", "greedy_identical")}
+        "ttft_scheduled_p50_s", "wave_first_output_ms", "wave_second_output_ms",
+        "wave_output_step_ms_p50", "greedy_match", "greedy_identical")}
         | {k: entry[k] for k in ("decode_step_ms_p50", "prefill_step_ms_p50") if k in entry}
         | ({"round": rnd} if args.engine_rounds > 1 else {})),
         flush=True)

@@ -188,6 +188,72 @@ def test_a_cell_splits_each_wave_into_engine_time_and_its_edges(monkeypatch):
     assert summary["wave_end_gap_ms"] == pytest.approx(20.0)  # median of 30 and 10
 
 
+def test_a_wave_cell_times_the_engine_core_steps_that_returned_tokens(monkeypatch):
+    """run_cell wraps the engine core client's get_output for each wave: when the
+    wave's first two steps returned their outputs, after its first request was queued,
+    the median time between the later ones and the steps a wave took, from the engine
+    core's stamps; the client's own method is back afterwards."""
+    import types
+
+    from bench import run
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(run.time, "monotonic", lambda: clock.now)
+
+    class Client:
+        def __init__(self):
+            self.queue = []
+
+        def get_output(self):
+            return self.queue.pop(0)
+
+    class FakeLLM:
+        def __init__(self):
+            self.llm_engine = types.SimpleNamespace(engine_core=Client())
+            self.first_step_s = [0.040, 0.030]
+
+        def get_metrics(self):
+            return []
+
+        def generate(self, prompts, params, use_tqdm=False):
+            core = self.llm_engine.engine_core
+            assert "get_output" in vars(core)  # wrapped while the wave runs
+            q = clock.now + 0.001
+            # Step 1 ends first_step_s after the first request was queued, step 2 5 ms
+            # later, then one step every 2 ms; an output without tokens (stats only)
+            # and one stamped before the wave are not steps of it.
+            ends = [q + self.first_step_s.pop(0), None]
+            ends[1] = ends[0] + 0.005
+            ends += [ends[1] + 0.002 * k for k in range(1, 9)]
+            core.queue = [types.SimpleNamespace(timestamp=q - 1.0, outputs=[1]),
+                          types.SimpleNamespace(timestamp=q + 0.0005, outputs=[])]
+            core.queue += [types.SimpleNamespace(timestamp=t, outputs=[1]) for t in ends]
+            while core.queue:
+                core.get_output()
+            outs = []
+            for i, _ in enumerate(prompts):
+                metrics = types.SimpleNamespace(queued_ts=q + 0.0001 * i,
+                                                scheduled_ts=q + 0.0001 * i,
+                                                first_token_ts=ends[1], last_token_ts=ends[-1])
+                outs.append(types.SimpleNamespace(
+                    outputs=[types.SimpleNamespace(token_ids=list(range(10)))],
+                    metrics=metrics))
+            clock.now = ends[-1] + 0.001
+            return outs
+
+    llm = FakeLLM()
+    _, summary, _ = run.run_cell(llm, [[1, 2]] * 4, 2, 0.0, 10, dummy=True)
+    assert "get_output" not in vars(llm.llm_engine.engine_core)
+    assert summary["wave_output_steps"] == 10
+    assert summary["wave_first_output_ms"] == pytest.approx(35.0)  # median of 40 and 30
+    assert summary["wave_second_output_ms"] == pytest.approx(40.0)
+    assert summary["wave_output_step_ms_p50"] == pytest.approx(2.0)
+    # Repeats merge by their median, as every repeated field.
+    merged = run.merge_repeats([summary, dict(summary, wave_first_output_ms=45.0)])
+    assert merged["wave_first_output_ms"] == pytest.approx(40.0)
+
+
 class FakeSteadyEngine:
     """LLMEngine's add_request / step / has_unfinished_requests on a fake clock: each
     step advances 1 ms and emits one token for every request in flight; request i
