@@ -33,9 +33,10 @@ import sys
 
 FIELDS = ["batch", "budget", "drafted_budget", "requests_sampled", "mean_accepted",
           "step_ms", "prefill_tokens"]
-# The controller records 1.0 ms for a step whose time it does not take as a step's (the
-# first after the engine idled, with no output before it; one outside its bounds) and
-# counts it as prefilling (vllm_ddtree/online_budget.py).
+# vllm_ddtree.online_budget.UNTIMED_STEP_MS: what the controller records for a step
+# whose time it does not take as a step's (the first after the engine idled; one outside
+# its bounds), counted as prefilling. A copy, so that this reads result files without
+# torch (tests/bench/test_step_trace.py keeps the two equal).
 UNTIMED_MS = 1.0
 START_STEPS = 4
 
@@ -118,6 +119,7 @@ def wave_summary(wave: list[dict], first_in_trace: bool = False) -> dict | None:
     head = decode[first:]
     end_full = next((i for i, s in enumerate(head) if s["batch"] < full), len(head))
     full_steps = head[:end_full]
+    prefilling = [s for s in wave if s["prefill_tokens"]]
     return {
         "requests": full,
         "prefill_steps": len(wave) - len(decode),
@@ -126,8 +128,8 @@ def wave_summary(wave: list[dict], first_in_trace: bool = False) -> dict | None:
         "tail": _phase(head[end_full:]),
         "start": {
             "prefill_ms": [None if s["step_ms"] == UNTIMED_MS else s["step_ms"]
-                           for s in wave if s["prefill_tokens"]],
-            "prefill_tokens": [s["prefill_tokens"] for s in wave if s["prefill_tokens"]],
+                           for s in prefilling],
+            "prefill_tokens": [s["prefill_tokens"] for s in prefilling],
             "first_full_ms": [s["step_ms"] for s in full_steps[:START_STEPS]],
             "full_budget_0_ms_p50": _median(
                 [s["step_ms"] for s in full_steps[START_STEPS:] if s["budget"] == 0]),
@@ -164,6 +166,11 @@ def switch_lines(entries: list[dict]) -> str:
         f"{e['step_ms']}, tokens/s compared {e['compared']})" for e in entries)
 
 
+def _wave_label(eng: dict, i: int, wave: dict) -> str:
+    """A table row's first two cells: the engine (and its round) and the wave."""
+    return f"| {eng['config']} r{eng['round']} | {i}{' (cut)' if wave['cut'] else ''} "
+
+
 def table(summary: list[dict]) -> str:
     lines = ["| engine | wave | requests | full: steps / ms / tok per ms / budgets "
              "| tail: steps / ms / tok per ms / budgets | tail share of ms |",
@@ -173,10 +180,10 @@ def table(summary: list[dict]) -> str:
             f, t = w["full"], w["tail"]
             total = f["ms"] + t["ms"]
             lines.append(
-                f"| {eng['config']} r{eng['round']} | {i}{' (cut)' if w['cut'] else ''} "
-                f"| {w['requests']} | {f['steps']} / {f['ms']} / {f['tokens_per_ms']} / "
-                f"{f['budgets']} | {t['steps']} / {t['ms']} / {t['tokens_per_ms']} / "
-                f"{t['budgets']} | {round(t['ms'] / total, 3) if total else None} |")
+                f"{_wave_label(eng, i, w)}| {w['requests']} | {f['steps']} / {f['ms']} / "
+                f"{f['tokens_per_ms']} / {f['budgets']} | {t['steps']} / {t['ms']} / "
+                f"{t['tokens_per_ms']} / {t['budgets']} | "
+                f"{round(t['ms'] / total, 3) if total else None} |")
     return "\n".join(lines)
 
 
@@ -189,8 +196,8 @@ def start_table(summary: list[dict]) -> str:
             st = w["start"]
             pre = ", ".join(f"{t} / {'untimed' if m is None else m}"
                             for t, m in zip(st["prefill_tokens"], st["prefill_ms"]))
-            lines.append(f"| {eng['config']} r{eng['round']} | {i}{' (cut)' if w['cut'] else ''} "
-                         f"| {pre or '-'} | {st['first_full_ms']} | {st['full_budget_0_ms_p50']} |")
+            lines.append(f"{_wave_label(eng, i, w)}| {pre or '-'} | {st['first_full_ms']} "
+                         f"| {st['full_budget_0_ms_p50']} |")
     return "\n".join(lines)
 
 

@@ -73,6 +73,10 @@ MAX_STEP_MS = 1000.0
 # forward measured 1.03 ms). The share leaves room for a forward that runs faster while
 # serving than when it was measured.
 MIN_STEP_FORWARD_SHARE = 0.7
+# The step time such a step (or one after the engine idled, with no output before it)
+# is recorded with: a placeholder its statistics do not read as a decode step's time
+# (it counts as prefilling); the step trace shows it as is (bench/step_trace.py).
+UNTIMED_STEP_MS = 1.0
 # Seconds between two log lines about the controller (each change of the table is
 # logged, at most this often).
 LOG_INTERVAL_S = 10.0
@@ -305,7 +309,7 @@ class OnlineBudget:
         step_ms = (now - last) * 1e3 if last is not None else math.nan
         if not (0 < step_ms <= MAX_STEP_MS) or step_ms < self._min_step_ms[batch]:
             prefill = max(prefill, 1)  # not a decode step's time: acceptance only
-            step_ms = 1.0
+            step_ms = UNTIMED_STEP_MS
         # What this step drafted for the next (the scheduler's decision for it): a step
         # between two budgets costs part of each.
         drafted = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)

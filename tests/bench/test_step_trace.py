@@ -83,6 +83,12 @@ def test_a_wave_start_gives_its_prefill_steps_and_first_full_batch_steps(tmp_pat
     assert row in out
 
 
+def test_the_untimed_step_value_is_the_controllers():
+    from vllm_ddtree.online_budget import UNTIMED_STEP_MS
+
+    assert T.UNTIMED_MS == UNTIMED_STEP_MS
+
+
 def test_the_table_and_the_command_line(tmp_path, capsys):
     path = tmp_path / "bench.json.gz"
     with gzip.open(path, "wt") as f:
