@@ -335,6 +335,28 @@ def start_engine(args, name: str, **extra):
                    disable_log_stats=False, **config_engine_kwargs(cfg), **extra)
 
 
+# The CUDA caching allocator's counters that say whether the timed pass went to the
+# driver (a cudaMalloc or cudaFree blocks the host and may synchronise the device) or
+# waited for streams: a slow eager launch in the step's logits GEMM (~0.08-0.27 ms of
+# host time a call, bench/results/2026-12-07-gap-profile-batch-16-64-drafting-host-h100/)
+# could be either.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                      "num_sync_all_streams", "segment.all.allocated",
+                      "segment.all.freed", "allocation.all.allocated")
+
+
+def allocator_delta(before: dict, after: dict, steps: int) -> dict:
+    """``ALLOCATOR_COUNTERS`` of ``torch.cuda.memory_stats()`` over a pass: the change,
+    and per engine step. A counter this torch does not keep is left out."""
+    out: dict = {}
+    for key in ALLOCATOR_COUNTERS:
+        if key in before and key in after:
+            change = after[key] - before[key]
+            out[key] = change
+            out[key + "_per_step"] = round(change / max(steps, 1), 3)
+    return out
+
+
 def plain_run(llm, args, prompts) -> tuple[dict, int]:
     """Warm up, then one timed generation without profilers: its numbers and the
     engine steps per request (spec-decode drafts; one per token without speculation)."""
@@ -349,14 +371,28 @@ def plain_run(llm, args, prompts) -> tuple[dict, int]:
                         args.batch_size, args.temperature, max(8, args.max_tokens // 2),
                         dummy=dummy)
     before = spec_counters(llm.get_metrics())
+    in_process = getattr(args, "engine_process", "inproc") == "inproc"
+    memory_before = _memory_stats() if in_process else None
     wall, n = workload(llm, args, prompts)
+    memory_after = _memory_stats() if in_process else None
     delta = spec_counters(llm.get_metrics()).minus(before)
     # A step drafts for (and, without speculation, emits one token to) each request in
     # flight.
     steps = (delta.drafts or n) // args.batch_size
-    return {"wall_s": round(wall, 4), "output_tokens": n,
-            "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
-            "step_ms": round(wall / max(steps, 1) * 1e3, 3)}, steps
+    rec = {"wall_s": round(wall, 4), "output_tokens": n,
+           "output_tokens_per_s": round(n / wall, 1), **delta.summary(),
+           "step_ms": round(wall / max(steps, 1) * 1e3, 3)}
+    if memory_before is not None:
+        rec["allocator"] = allocator_delta(memory_before, memory_after, steps)
+    return rec, steps
+
+
+def _memory_stats() -> dict | None:
+    """This process's CUDA allocator counters (the engine's, with ``--engine-process
+    inproc``); None without CUDA."""
+    import torch
+
+    return torch.cuda.memory_stats() if torch.cuda.is_available() else None
 
 
 def profile_config(args, name: str, prompts) -> dict:

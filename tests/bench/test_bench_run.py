@@ -1569,3 +1569,20 @@ def test_online_budget_host_times_the_report_against_a_baseline(tmp_path, monkey
     assert env.BUDGET_REPORT.name not in os.environ
     with pytest.raises(SystemExit):
         H.main(["--out", str(out), "--report", "3"])
+
+
+def test_profile_step_allocator_delta_counts_driver_calls_per_step():
+    """bench/profile_step.py: the allocator's counters over a timed pass, as changes and
+    per step; counters the running torch does not keep are left out."""
+    from bench.profile_step import allocator_delta
+
+    before = {"num_device_alloc": 10, "num_device_free": 4, "segment.all.allocated": 10,
+              "allocation.all.allocated": 1000}
+    after = {"num_device_alloc": 26, "num_device_free": 4, "segment.all.allocated": 18,
+             "allocation.all.allocated": 1800}
+    got = allocator_delta(before, after, steps=8)
+    assert got["num_device_alloc"] == 16 and got["num_device_alloc_per_step"] == 2.0
+    assert got["num_device_free"] == 0 and got["segment.all.allocated_per_step"] == 1.0
+    assert got["allocation.all.allocated_per_step"] == 100.0
+    assert "num_alloc_retries" not in got and "num_sync_all_streams" not in got
+    assert allocator_delta(before, after, steps=0)["num_device_alloc_per_step"] == 16.0
