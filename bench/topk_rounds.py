@@ -1,6 +1,15 @@
 """Top-K candidate selection over drafter logits on one GPU: one ``torch.topk`` per row
-against :func:`vllm_ddtree.tree_builder.select_topk` in rounds (slices of ``chunk``
-tokens, then their candidates), at the drafting step's shapes.
+(what ``vllm_ddtree.tree_builder.draft_topk`` runs) against a selection in rounds
+(:func:`topk_in_rounds`: the K largest of each slice of ``chunk`` tokens, then of those
+candidates), at the drafting step's shapes.
+
+The question: over vocabulary-sized rows ``torch.topk`` runs its multi-block radix
+selection, several passes over the logits (at batch 64 ~0.3 ms a call, the largest
+kernels of a drafting step after attention in
+bench/results/2026-12-07-gap-profile-batch-16-64-drafting-host-h100/); would one pass over
+short slices be cheaper? Measured on an H100: no, rounds were slower in almost every
+cell (bench/results/2026-12-07-drafter-top-k-in-rounds-h100/), so the drafter keeps
+``torch.topk``.
 
 For each vocabulary (the benchmark pair's 49,152; Qwen3's 151,936), batch ``R`` and tree
 level ``B`` the drafter's head selects ``K = B`` candidates at ``min(15, B)`` positions
@@ -16,16 +25,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_ddtree.tree_builder import select_topk  # noqa: E402
+
+def topk_in_rounds(x: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)`` of the ``k`` largest entries along the last dimension, in no
+    particular order, as ``torch.topk(x, k, sorted=False)`` selects them (which entries
+    of a tie at the k-th place enter is unspecified in both), in two rounds: the ``k``
+    largest of every ``chunk`` consecutive entries, then the ``k`` largest of those.
+    Every one of a row's ``k`` largest entries is among the ``k`` largest of its own
+    slice, so the selection is the same. Rows shorter than two slices, or ``k`` over
+    half a slice, take ``torch.topk`` whole."""
+    vocab = x.shape[-1]
+    if not chunk or vocab < 2 * chunk or 2 * k > chunk:
+        return torch.topk(x, k, dim=-1, largest=True, sorted=False)
+    lead = x.shape[:-1]
+    slices = vocab // chunk
+    body = x[..., : slices * chunk].reshape(-1, slices, chunk)
+    vals, ids = torch.topk(body, k, dim=-1, largest=True, sorted=False)
+    ids += torch.arange(0, slices * chunk, chunk, device=x.device)[:, None]  # to vocab ids
+    vals, ids = vals.flatten(1), ids.flatten(1)
+    rest = vocab - slices * chunk
+    if rest:
+        rest_vals, rest_ids = torch.topk(x[..., slices * chunk:].reshape(-1, rest),
+                                         min(k, rest), dim=-1, largest=True, sorted=False)
+        vals = torch.cat([vals, rest_vals], dim=1)
+        ids = torch.cat([ids, rest_ids + slices * chunk], dim=1)
+    vals, pick = torch.topk(vals, k, dim=-1, largest=True, sorted=False)
+    return vals.view(*lead, k), torch.gather(ids, 1, pick).view(*lead, k)
 
 
 def gpu_ms(fn, repeats: int) -> float:
@@ -76,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 want = torch.topk(logits, k, dim=-1).values.float().sort(-1).values
                 variants = {"topk": lambda: torch.topk(logits, k, dim=-1, sorted=False)}
                 for c in args.chunks:
-                    variants[f"rounds-{c}"] = (lambda c=c: select_topk(logits, k, c))
+                    variants[f"rounds-{c}"] = (lambda c=c: topk_in_rounds(logits, k, c))
                 base = None
                 for name, fn in variants.items():
                     vals, _ = fn()

@@ -60,7 +60,6 @@ __all__ = [
     "build_trees",
     "draft_log_normalizer",
     "draft_topk",
-    "select_topk",
     "empty_tree",
     "fill_root_only_trees_",
     "resolve_top_k",
@@ -204,47 +203,6 @@ def draft_log_normalizer(draft_logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(draft_logits.float(), dim=-1)
 
 
-# Vocabulary slice of the first selection round of :func:`select_topk` (0: one
-# ``torch.topk`` over each whole row).
-TOPK_CHUNK = 1024
-
-
-def select_topk(x: torch.Tensor, k: int, chunk: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, ids)`` of the ``k`` largest entries along the last dimension, in no
-    particular order, as ``torch.topk(x, k, sorted=False)`` selects them (which entries
-    of a tie at the k-th place enter is unspecified in both).
-
-    Over a vocabulary-sized row ``torch.topk`` runs its multi-block radix selection,
-    several passes over the logits (at batch 64, fifteen positions and 49,152 tokens
-    ~0.3 ms a call on an H100, the largest kernels of a drafting step after attention:
-    bench/results/2026-12-07-gap-profile-batch-16-64-drafting-host-h100/). In rounds
-    instead: the ``k`` largest of every ``chunk`` consecutive entries (one launch, one
-    pass, many short rows), then the ``k`` largest of those candidates. Every one of a
-    row's ``k`` largest entries is among the ``k`` largest of its own slice, so the
-    result is the same selection. Rows shorter than two slices, or ``k`` over half a
-    slice, take ``torch.topk`` whole. No host synchronisation (CUDA-graph safe)."""
-    chunk = TOPK_CHUNK if chunk is None else chunk
-    vocab = x.shape[-1]
-    if not chunk or vocab < 2 * chunk or 2 * k > chunk:
-        return torch.topk(x, k, dim=-1, largest=True, sorted=False)
-    lead = x.shape[:-1]
-    slices = vocab // chunk
-    body = x[..., : slices * chunk].reshape(-1, slices, chunk)
-    vals, ids = torch.topk(body, k, dim=-1, largest=True, sorted=False)
-    # Slice-local ids to vocabulary ids.
-    ids += torch.arange(0, slices * chunk, chunk, device=x.device)[:, None]
-    vals, ids = vals.flatten(1), ids.flatten(1)
-    rest = vocab - slices * chunk
-    if rest:
-        rest_vals, rest_ids = torch.topk(x[..., slices * chunk:].reshape(-1, rest),
-                                         min(k, rest), dim=-1, largest=True, sorted=False)
-        vals = torch.cat([vals, rest_vals], dim=1)
-        ids = torch.cat([ids, rest_ids + slices * chunk], dim=1)
-    vals, pick = torch.topk(vals, k, dim=-1, largest=True, sorted=False)
-    return vals.view(*lead, k), torch.gather(ids, 1, pick).view(*lead, k)
-
-
 def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` draft candidates per position, in canonical rank order.
 
@@ -265,7 +223,7 @@ def draft_topk(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         raise ValueError(f"k must be in [1, V={vocab}], got {k}")
     # Ordering by raw logits equals ordering by logp up to rounding ties; the canonical
     # re-sort below settles the order inside the selected set.
-    vals, ids = select_topk(draft_logits, k)
+    vals, ids = torch.topk(draft_logits, k, dim=-1, largest=True, sorted=False)
     lse = draft_log_normalizer(draft_logits)[..., None]
     logp = vals.float() - lse
     # Canonical order: sort by id, then stable sort by logp descending.

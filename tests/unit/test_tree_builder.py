@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_ddtree import _triton
-from vllm_ddtree.tree_builder import DDTree, _build_tree_kernel, build_trees, _logsumexp_kernel, draft_log_normalizer, draft_topk, empty_tree, resolve_top_k, select_topk
+from vllm_ddtree.tree_builder import DDTree, _build_tree_kernel, build_trees, _logsumexp_kernel, draft_log_normalizer, draft_topk, empty_tree, resolve_top_k
 from tests.references import build_tree_reference
 
 
@@ -243,41 +243,6 @@ def test_draft_topk_canonical_order_and_set():
         assert len(chosen) == 7
         others = [full[r, d, t].item() for t in range(30) if t not in chosen]
         assert min(logp[r, d].tolist()) >= max(others), "a real top-K set"
-
-
-@pytest.mark.parametrize("vocab,chunk,k", [
-    (4096, 1024, 64),   # slices only
-    (5000, 1024, 8),    # slices and a remainder shorter than a slice
-    (2100, 1024, 300),  # the remainder shorter than k: all of it enters
-    (2047, 1024, 4),    # shorter than two slices: one torch.topk
-    (4096, 64, 40),     # k over half a slice: one torch.topk
-    (4096, 0, 16),      # rounds off
-])
-def test_select_topk_selects_what_torch_topk_selects(vocab, chunk, k):
-    """select_topk in rounds picks the same entries as one torch.topk per row (distinct
-    values, so the set is unique), on [R, D, V] logits and on a row-strided view of
-    wider ones (a vocabulary padded by the logits processor)."""
-    gen = torch.Generator().manual_seed(vocab + k)
-    wide = torch.randn(3, 5, vocab + 32, generator=gen)
-    for logits in (wide[..., :vocab].contiguous(), wide[..., :vocab]):
-        vals, ids = select_topk(logits, k, chunk)
-        want_vals, want_ids = torch.topk(logits, k, dim=-1)
-        assert vals.shape == ids.shape == (3, 5, k)
-        assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
-        assert torch.equal(vals.sort(-1).values, want_vals.sort(-1).values)
-        assert torch.equal(logits.gather(-1, ids), vals)
-
-
-def test_select_topk_with_ties_keeps_a_real_top_k_set():
-    """Ties at the k-th place (bf16 logits): any of the tied entries may enter, as with
-    torch.topk, but the values selected are the k largest and the ids distinct."""
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randint(0, 6, (4, 2, 3000), generator=gen).to(torch.bfloat16)
-    vals, ids = select_topk(logits, 50, 256)
-    want = torch.topk(logits.float(), 50, dim=-1).values
-    assert torch.equal(vals.float().sort(-1).values, want.sort(-1).values)
-    assert torch.equal(logits.gather(-1, ids), vals)
-    assert all(len(set(row.tolist())) == 50 for row in ids.view(-1, 50))
 
 
 @pytest.mark.parametrize(
