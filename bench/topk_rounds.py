@@ -14,7 +14,7 @@ cell (bench/results/2026-12-07-drafter-top-k-in-rounds-h100/), so the drafter ke
 For each vocabulary (the benchmark pair's 49,152; Qwen3's 151,936), batch ``R`` and tree
 level ``B`` the drafter's head selects ``K = B`` candidates at ``min(15, B)`` positions
 of each request (``draft_shape``). Per call: GPU time (CUDA events around one call,
-median of repeats) and the time of 50 back-to-back calls divided by 50 (host launches
+median of repeats, as bench/bench_algorithms.py times kernels) and the time of 50 back-to-back calls divided by 50 (host launches
 and GPU together: what an eager head pays when the host runs ahead). Every variant's
 selection is checked against ``torch.topk``'s values.
 
@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.bench_algorithms import timeit  # noqa: E402
 
 
 def topk_in_rounds(x: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,21 +62,6 @@ def topk_in_rounds(x: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, t
         ids = torch.cat([ids, rest_ids + slices * chunk], dim=1)
     vals, pick = torch.topk(vals, k, dim=-1, largest=True, sorted=False)
     return vals.view(*lead, k), torch.gather(ids, 1, pick).view(*lead, k)
-
-
-def gpu_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def loop_ms(fn, calls: int = 50, repeats: int = 5) -> float:
@@ -113,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, fn in variants.items():
                     vals, _ = fn()
                     same = bool(torch.equal(vals.float().sort(-1).values, want))
-                    g, w = gpu_ms(fn, args.repeats), loop_ms(fn)
+                    g, w = timeit(fn, args.repeats), loop_ms(fn)
                     base = g if name == "topk" else base
                     rows.append({"vocab": vocab, "batch": r, "level": level, "depth": depth,
                                  "k": k, "variant": name, "gpu_ms": round(g, 4),
