@@ -6,7 +6,9 @@ For each configuration (names as in ``bench/run.py``: ``no-spec``, ``dflash``,
 ``--eager``), warms it up, and generates ``--max-tokens`` tokens for ``--batch-size``
 prompts three times:
 
-1. plain, timed: output tokens/s and engine steps (spec-decode counters);
+1. plain, timed: output tokens/s and engine steps (spec-decode counters), and with the
+   engine in this process the CUDA caching allocator's driver calls, retries and
+   stream synchronisations over the pass, per step (``allocator``);
 2. under ``cProfile``: the host's Python time per function (engine core, scheduler,
    model runner, speculator), the top entries by own and by cumulative time;
 3. under ``torch.profiler`` (CPU + CUDA): every kernel's GPU time, the GPU's busy
