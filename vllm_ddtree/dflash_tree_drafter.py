@@ -40,6 +40,7 @@ from vllm_ddtree.deferred_context import DeferredContext, deferral_capacity
 from vllm_ddtree.dflash_input_warmup import warm_up_dflash_input_kernel
 from vllm_ddtree import env, pin_calls
 from vllm_ddtree.kv_layout import check_tree_kv_layout
+from vllm_ddtree.logits_warmup import max_tree_step_rows, warm_up_logits_rows
 from vllm_ddtree.online_budget import graph_budget_levels, online_budget_on
 from vllm_ddtree.reach_ins import check_reach_ins
 from vllm_ddtree.rank_trace import RankTrace
@@ -196,6 +197,8 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def load_model(self, target_model, *args: Any, **kwargs: Any) -> None:
         super().load_model(target_model, *args, **kwargs)
+        # The target's logits over a tree step's rows, warmed up at capture.
+        self._target_compute_logits = getattr(target_model, "compute_logits", None)
         if env.defer_context_enabled():
             width = self._aux_width()
             if width is None:
@@ -422,9 +425,12 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def capture(self) -> None:
         """vLLM's drafter graphs, then the context store's (one per target capture
-        size; see :mod:`vllm_ddtree.context_store_graphs`); the lean heads' kernels."""
+        size; see :mod:`vllm_ddtree.context_store_graphs`); the lean heads' kernels;
+        the target's logits GEMM for every row count a tree step can have
+        (:mod:`vllm_ddtree.logits_warmup`)."""
         super().capture()
         self._warm_up_heads()
+        self._warm_up_target_logits()
         sizes = self._context_graph_sizes()
         if not sizes:
             return
@@ -458,6 +464,18 @@ class DDTreeSpeculator(DFlashSpeculator):
             "budget-0 decode steps: %s",
             len(graphs.sizes), graphs.sizes[-1] if graphs.sizes else 0,
             f"{len(decode_graphs.sizes)} graphs" if decode_graphs else "none",
+        )
+
+    def _warm_up_target_logits(self) -> None:
+        compute_logits = getattr(self, "_target_compute_logits", None)
+        if compute_logits is None:
+            return
+        model_config = self.vllm_config.model_config
+        warm_up_logits_rows(
+            compute_logits, model_config.get_hidden_size(), model_config.dtype, self.device,
+            max_tree_step_rows(self.max_num_reqs, self.max_num_tokens, self.tree_budget,
+                               self._budget_by_batch),
+            single_rank=self.vllm_config.parallel_config.world_size == 1,
         )
 
     def _decode_context_graphs_for(self, store, per_layer: bool, sizes) -> ContextStoreGraphs | None:

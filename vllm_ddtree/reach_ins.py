@@ -336,6 +336,13 @@ REACH_INS: tuple[ReachIn, ...] = (
          "dflash_tree_drafter.py (load_model: the deferred context's buffer)",
          "DDTreeSpeculator.load_model calls it, then sizes the buffer from the drafter's fc "
          "before vLLM measures memory", _DFLASH_DROP),
+    _sig("vllm.model_executor.models.interfaces_base",
+         "VllmModelForTextGeneration.compute_logits", "self hidden_states",
+         "dflash_tree_drafter.py (_warm_up_target_logits), logits_warmup.py",
+         "the target model's logits (the runner's own call), run at capture for every row "
+         "count a tree step can have so that no step waits for cuBLAS to choose a kernel",
+         "cuBLAS chooses kernels for new GEMM shapes without a host stall, or vLLM warms "
+         "its logits GEMM up for every row count itself"),
     _sig(_SPEC, "DFlashSpeculator.propose",
          "self input_batch attn_metadata slot_mappings last_hidden_states "
          "aux_hidden_states num_sampled num_rejected last_sampled next_prefill_tokens "
