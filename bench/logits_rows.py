@@ -15,7 +15,8 @@ For each vocabulary (the benchmark pair's 49,152 x 576; Qwen3-8B's 151,936 x 4,0
 each way of choosing row counts, ``calls`` calls of ``F.linear(hidden[:rows], weight)``
 as the runner makes them, each on an idle GPU (synchronised before it), timed on the
 host around the call alone (launch and whatever the host does first; the GPU's work is
-not waited for), and each call's GPU time with CUDA events:
+not waited for), and with CUDA events recorded before and after the call (on an idle GPU
+that span holds the host's time to the launch too, then the kernel):
 
 - ``same``: one row count every call (plain decoding's case);
 - ``new``: a row count no earlier call used, every call;
