@@ -83,6 +83,10 @@ def warm_up_logits_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor],
             torch.cuda.synchronize(device)
     finally:
         del hidden
+        if device.type == "cuda":
+            # The logits' blocks back to the driver: vLLM counts what the allocator
+            # holds after capture as graph memory (vLLM 0.33.0 sizes the KV cache by it).
+            torch.cuda.empty_cache()
     logger.info("DDTree: the target's logits GEMM warmed up for 1-%d rows (%.2f s)",
                 done, time.perf_counter() - start)
     return done
