@@ -471,12 +471,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         if compute_logits is None:
             return
         model_config = self.vllm_config.model_config
-        warm_up_logits_rows(
-            compute_logits, model_config.get_hidden_size(), model_config.dtype, self.device,
-            max_tree_step_rows(self.max_num_reqs, self.max_num_tokens, self.tree_budget,
-                               self._budget_by_batch),
-            single_rank=self.vllm_config.parallel_config.world_size == 1,
-        )
+        try:
+            warm_up_logits_rows(
+                compute_logits, model_config.get_hidden_size(), model_config.dtype,
+                self.device,
+                max_tree_step_rows(self.max_num_reqs, self.max_num_tokens, self.tree_budget,
+                                   self._budget_by_batch),
+                single_rank=self.vllm_config.parallel_config.world_size == 1,
+            )
+        except torch.OutOfMemoryError:
+            raise  # several ranks: see vllm_ddtree.logits_warmup
+        except Exception as e:  # an optimisation: never fail start-up over it
+            logger.warning(
+                "DDTree: warming up the target's logits GEMM failed (%s); each row count "
+                "chooses its kernel at its first step instead", e)
 
     def _decode_context_graphs_for(self, store, per_layer: bool, sizes) -> ContextStoreGraphs | None:
         """Graphs for steps with budget 0 that verified no drafts: the context is the

@@ -96,3 +96,23 @@ def test_the_speculator_warms_the_target_s_logits_for_its_largest_step():
             parallel_config=types.SimpleNamespace(world_size=1)))
     drafter.DDTreeSpeculator._warm_up_target_logits(spec)
     assert logits.rows == list(range(1, 2 * 6 + 1))  # 2 requests x (1 + 5) beat 3 x 3
+
+
+def test_a_failing_warm_up_leaves_start_up_going(caplog):
+    """Any error but running out of memory is logged and start-up goes on: each row
+    count then pays its kernel choice at its first step."""
+    drafter = pytest.importorskip("vllm_ddtree.dflash_tree_drafter")
+
+    def broken(hidden):
+        raise RuntimeError("no logits here")
+
+    spec = types.SimpleNamespace(
+        _target_compute_logits=broken, max_num_reqs=2, max_num_tokens=64, tree_budget=3,
+        _budget_by_batch=None, device=torch.device("cpu"),
+        vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(get_hidden_size=lambda: 4,
+                                               dtype=torch.float32),
+            parallel_config=types.SimpleNamespace(world_size=2)))
+    with caplog.at_level("WARNING", logger="vllm.ddtree"):
+        drafter.DDTreeSpeculator._warm_up_target_logits(spec)
+    assert "warming up the target's logits GEMM failed (no logits here)" in caplog.text
