@@ -7,8 +7,9 @@ count, the step's requests plus the drafts it verifies, changes from step to ste
 the budgets, joining and finished requests and the scheduler's token budget, while a
 plain decode step's is its batch size. A GEMM of a shape the process has not run before
 (cuBLAS choosing its kernel would explain it) took ~250 us of the host's time a call on
-an H100 against ~31 us for a row count run before, at the benchmark pair's vocabulary and at Qwen3-8B's
-(``bench/logits_rows.py``, bench/results/2026-12-08-logits-gemm-row-counts-h100/); a
+an H100 against ~31 us for a row count run before, at the benchmark pair's vocabulary
+and at Qwen3-8B's (``bench/logits_rows.py``,
+bench/results/2026-12-08-logits-gemm-row-counts-h100/); a
 drafting step's ``aten::mm`` averaged 192 us of host time in the batch-16 gap profile.
 Each row count a step met for the first time stalled that step's host by as much.
 
