@@ -140,6 +140,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                         dtype=self.dtype, device=device)
             if self.online_budget and lean_draft_enabled() else None)
         self._heads_warm = False
+        # The target's logits GEMM is warmed up once a process (cuBLAS keeps its choices).
+        self._logits_warm = False
         # True while propose() runs for memory profiling: draft the full tree there,
         # so the profile sees the largest drafting buffers.
         self._profiling_draft = False
@@ -468,8 +470,9 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _warm_up_target_logits(self) -> None:
         compute_logits = getattr(self, "_target_compute_logits", None)
-        if compute_logits is None:
+        if compute_logits is None or self._logits_warm:
             return
+        self._logits_warm = True
         model_config = self.vllm_config.model_config
         try:
             warm_up_logits_rows(

@@ -88,7 +88,7 @@ def test_the_speculator_warms_the_target_s_logits_for_its_largest_step():
     drafter = pytest.importorskip("vllm_ddtree.dflash_tree_drafter")
     logits = Logits()
     spec = types.SimpleNamespace(
-        _target_compute_logits=logits, max_num_reqs=3, max_num_tokens=8192, tree_budget=5,
+        _target_compute_logits=logits, _logits_warm=False, max_num_reqs=3, max_num_tokens=8192, tree_budget=5,
         _budget_by_batch=[5, 5, 5, 2], device=torch.device("cpu"),
         vllm_config=types.SimpleNamespace(
             model_config=types.SimpleNamespace(get_hidden_size=lambda: 4,
@@ -96,6 +96,9 @@ def test_the_speculator_warms_the_target_s_logits_for_its_largest_step():
             parallel_config=types.SimpleNamespace(world_size=1)))
     drafter.DDTreeSpeculator._warm_up_target_logits(spec)
     assert logits.rows == list(range(1, 2 * 6 + 1))  # 2 requests x (1 + 5) beat 3 x 3
+    # A second capture in the same process (cuBLAS keeps its choices) runs nothing.
+    drafter.DDTreeSpeculator._warm_up_target_logits(spec)
+    assert logits.rows == list(range(1, 2 * 6 + 1))
 
 
 def test_a_failing_warm_up_leaves_start_up_going(caplog):
@@ -107,7 +110,7 @@ def test_a_failing_warm_up_leaves_start_up_going(caplog):
         raise RuntimeError("no logits here")
 
     spec = types.SimpleNamespace(
-        _target_compute_logits=broken, max_num_reqs=2, max_num_tokens=64, tree_budget=3,
+        _target_compute_logits=broken, _logits_warm=False, max_num_reqs=2, max_num_tokens=64, tree_budget=3,
         _budget_by_batch=None, device=torch.device("cpu"),
         vllm_config=types.SimpleNamespace(
             model_config=types.SimpleNamespace(get_hidden_size=lambda: 4,
