@@ -14,8 +14,9 @@ cell (bench/results/2026-12-07-drafter-top-k-in-rounds-h100/), so the drafter ke
 For each vocabulary (the benchmark pair's 49,152; Qwen3's 151,936), batch ``R`` and tree
 level ``B`` the drafter's head selects ``K = B`` candidates at ``min(15, B)`` positions
 of each request (``draft_shape``). Per call: GPU time (CUDA events around one call,
-median of repeats, as bench/bench_algorithms.py times kernels) and the time of 50 back-to-back calls divided by 50 (host launches
-and GPU together: what an eager head pays when the host runs ahead). Every variant's
+median of repeats, as bench/bench_algorithms.py times kernels) and the time of 50
+back-to-back calls divided by 50 (host launches and GPU together: what an eager head
+pays when the host runs ahead). Every variant's
 selection is checked against ``torch.topk``'s values.
 
     python3 bench/topk_rounds.py --out /tmp/topk-rounds.json
